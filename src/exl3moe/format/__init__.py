@@ -12,3 +12,6 @@ __all__ = ["CODEBOOKS", "EXL3Weight", "codebook_table", "decode", "decode_states
 from .experts import ACTIVATIONS, ExpertSet, ResidualStage  # noqa: E402
 
 __all__ += ["ACTIVATIONS", "ExpertSet", "ResidualStage"]
+from .checkpoint import CheckpointReader, LinearInfo, open_checkpoint, write_checkpoint  # noqa: E402
+
+__all__ += ["CheckpointReader", "LinearInfo", "open_checkpoint", "write_checkpoint"]

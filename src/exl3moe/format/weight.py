@@ -37,8 +37,9 @@ def _check_scale(t: torch.Tensor, name: str, length: int) -> None:
 
 def unpack_signs(packed: torch.Tensor, name: str = "su") -> torch.Tensor:
     """Legacy packed sign field int16 [n/16] -> fp16 [n] of +-1 (bit i of word w is element 16w + i)."""
-    if packed.dtype != torch.int16 or packed.dim() != 1:
-        raise FormatError(name, f"legacy sign field must be a 1-D int16 tensor, got {packed.dtype} {list(packed.shape)}")
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.int16 or packed.dim() != 1:
+        raise FormatError(name, f"legacy sign field must be a 1-D int16 tensor, got "
+                          f"{getattr(packed, 'dtype', type(packed).__name__)} {list(getattr(packed, 'shape', []))}")
     words = packed.to(torch.int64) & 0xFFFF
     bits = (words[:, None] >> torch.arange(16, device=packed.device)) & 1
     return (1 - 2 * bits).reshape(-1).to(torch.float16)
@@ -146,7 +147,7 @@ class EXL3Weight:
             else:
                 raise FormatError(f"{name}.{side}", f"missing (neither {side} nor legacy {legacy} is stored)")
         bias = tensors.get("bias")
-        if bias is not None and bias.dtype == torch.float32:
+        if isinstance(bias, torch.Tensor) and bias.dtype == torch.float32:
             bias = bias.to(torch.float16)
         return cls(tensors["trellis"], scales["suh"], scales["svh"], codebook, bias, name)
 

@@ -1,0 +1,92 @@
+"""Benchmark the EXL3 linear on a GPU against fp16 torch.matmul of the same shape, measured in the same run."""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import copies_for, run_info, time_graph  # noqa: E402
+
+from exl3moe import EXL3Weight  # noqa: E402
+from exl3moe.ops.linear import LinearPlan, LinearTiles  # noqa: E402
+
+SHAPES = [(4096, 14336), (14336, 4096), (2048, 768), (768, 2048), (4096, 1408), (1408, 4096)]
+BITS = [2, 3, 4, 6, 8]
+CODEBOOKS = ["mcg", "mul1", "3inst"]
+ROWS = [1, 8, 32, 128, 512]
+
+
+def random_weight(k, n, K, codebook, gen):
+    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, int(16 * K)), dtype=torch.int16, device="cuda",
+                            generator=gen)
+    sign = lambda m: torch.where(torch.rand(m, device="cuda", generator=gen) < 0.5, -1.0, 1.0)  # noqa: E731
+    suh = (sign(k) * (0.5 + torch.rand(k, device="cuda", generator=gen))).half() / 64
+    svh = (sign(n) * (0.5 + torch.rand(n, device="cuda", generator=gen))).half()
+    return EXL3Weight(trellis, suh, svh, codebook)
+
+
+def time_exl3(k, n, K, codebook, rows, gen, tiles=None):
+    probe = random_weight(k, n, K, codebook, gen)
+    copies = copies_for(probe.trellis_bytes)
+    weights = [probe] + [random_weight(k, n, K, codebook, gen) for _ in range(copies - 1)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.float16, generator=gen)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
+    plan = LinearPlan(weights[0], rows, tiles)
+    workspace = plan.allocate()
+    runners = [LinearPlan(w, rows, tiles).bind(workspace) for w in weights]
+    return time_graph([lambda r=r: r.run(x, out) for r in runners]), probe.trellis_bytes
+
+
+def time_fp16(k, n, rows, gen):
+    copies = copies_for(k * n * 2)
+    ws = [torch.randn(k, n, device="cuda", dtype=torch.float16, generator=gen) for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.float16, generator=gen)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
+    return time_graph([lambda w=w: torch.matmul(x, w, out=out) for w in ws])
+
+
+def tune(args):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    k, n = 4096, 14336
+    fp16 = {rows: time_fp16(k, n, rows, gen) for rows in (1, 8, 128)}
+    rows_out = []
+    for bn, bk, warps, stages in [(64, 32, 4, 2), (64, 64, 4, 2), (128, 32, 4, 2), (128, 32, 8, 2), (64, 32, 4, 3),
+                                  (32, 64, 4, 2), (128, 64, 8, 2), (64, 16, 4, 2)]:
+        chunks = k // bk
+        splits = max(1, min(chunks, -(-512 // (n // bn))))
+        tiles = LinearTiles(bn, bk, -(-chunks // -(-chunks // splits)), warps, stages)
+        for cb in ("mcg", "mul1"):
+            for rows in (1, 8, 128):
+                us, tb = time_exl3(k, n, 4, cb, rows, gen, tiles)
+                rows_out.append(dict(tiles=str(tiles), codebook=cb, rows=rows, us=us, fp16_us=fp16[rows]))
+                print(f"{str(tiles):70s} {cb:5s} rows {rows:4d} {us:8.1f} us  fp16 {fp16[rows]:6.1f}", flush=True)
+    return rows_out
+
+
+def full(args):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for k, n in SHAPES:
+        fp16 = {rows: time_fp16(k, n, rows, gen) for rows in ROWS}
+        for K in BITS:
+            for cb in CODEBOOKS:
+                for rows in ROWS:
+                    us, tb = time_exl3(k, n, K, cb, rows, gen)
+                    results.append(dict(k=k, n=n, K=K, codebook=cb, rows=rows, us=round(us, 2),
+                                        fp16_us=round(fp16[rows], 2), trellis_GBps=round(tb / us / 1e3, 1)))
+                    print(f"{k}x{n} K{K} {cb:5s} rows {rows:4d} {us:8.1f} us fp16 {fp16[rows]:7.1f} "
+                          f"ratio {us / fp16[rows]:5.2f}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--out", default="bench/results/linear_h200.json")
+    a = ap.parse_args()
+    res = tune(a) if a.tune else full(a)
+    with open(a.out, "w") as fh:
+        json.dump({**run_info(), "results": res}, fh, indent=1)

@@ -1,0 +1,194 @@
+"""Safetensors shards as untrusted input: header parsed and validated by hand, tensors read lazily, shards written."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ContractError, FormatError
+
+DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "U16": torch.uint16,
+    "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64, "U64": torch.uint64, "F16": torch.float16,
+    "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+ITEM_BYTES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library itself enforces
+METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lives: shard file, dtype name, shape, absolute byte offset and length."""
+
+    key: str
+    path: str
+    dtype: str
+    shape: tuple
+    offset: int
+    nbytes: int
+
+    @property
+    def shard(self) -> str:
+        return os.path.basename(self.path)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _no_duplicate_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key[:80]!r}")
+        out[key] = value
+    return out
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _parse_json(raw: bytes, shard: str) -> dict:
+    try:
+        text = raw.decode("utf-8")
+        if not text.startswith("{"):
+            raise ValueError("header must start with '{'")
+        header = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:
+        raise FormatError(shard, f"header is not valid JSON: {err}") from None
+    if not isinstance(header, dict):
+        raise FormatError(shard, "header must be a JSON object")
+    return header
+
+
+def _is_count(x) -> bool:
+    return type(x) is int and 0 <= x < 1 << 64
+
+
+def _entry(key: str, info, path: str, data_start: int, data_size: int) -> TensorEntry:
+    """One header record, checked: dtype known, shape and offsets non-negative ints, size = dtype * shape."""
+    shard = os.path.basename(path)
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FormatError(repr(key), f"in {shard}: tensor name is not valid UTF-8") from None
+    if not isinstance(info, dict):
+        raise FormatError(key, f"in {shard}: header record must be an object, got {type(info).__name__}")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise FormatError(key, f"in {shard}: unknown or unsupported dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise FormatError(key, f"in {shard}: shape must be a list of non-negative integers, got {shape!r}")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise FormatError(key, f"in {shard}: data_offsets must be two non-negative integers, got {offsets!r}")
+    begin, end = offsets
+    if begin > end or end > data_size:
+        raise FormatError(key, f"in {shard}: data_offsets [{begin}, {end}] lie outside the {data_size}-byte data area")
+    want = math.prod(shape) * ITEM_BYTES[dtype]
+    if end - begin != want:
+        raise FormatError(key, f"in {shard}: data_offsets span {end - begin} bytes but {dtype} {shape} needs {want}")
+    return TensorEntry(key, path, dtype, tuple(shape), data_start + begin, end - begin)
+
+
+def _check_tiling(entries: list, data_start: int, data_size: int, shard: str) -> None:
+    """The data area must be covered exactly once, without holes (the safetensors rule)."""
+    position, previous = data_start, None
+    for e in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+        if e.offset < position:
+            raise FormatError(e.key, f"in {shard}: data_offsets overlap those of {previous.key!r}")
+        if e.offset > position:
+            raise FormatError(e.key, f"in {shard}: {e.offset - position} unindexed bytes before this tensor")
+        position, previous = e.offset + e.nbytes, e
+    if position != data_start + data_size:
+        raise FormatError(shard, f"{data_start + data_size - position} bytes after the last tensor are not indexed")
+
+
+def read_header(path: str) -> dict:
+    """Parse and validate one shard's header; returns {key: TensorEntry}. Reads no tensor data."""
+    shard = os.path.basename(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise FormatError(shard, f"truncated: {size} bytes, too short for the 8-byte header length")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8:
+                raise FormatError(shard, f"header length {header_len} runs past the end of the {size}-byte file")
+            if header_len > MAX_HEADER_BYTES:
+                raise FormatError(shard, f"header length {header_len} exceeds {MAX_HEADER_BYTES} bytes")
+            raw = f.read(header_len)
+    except OSError as err:
+        raise FormatError(shard, f"cannot read shard: {err}") from None
+    if len(raw) != header_len:
+        raise FormatError(shard, f"truncated: header needs {header_len} bytes, file holds {len(raw)}")
+    header = _parse_json(raw, shard)
+    metadata = header.pop(METADATA_KEY, {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise FormatError(f"{shard}:{METADATA_KEY}", "must map strings to strings")
+    data_start, data_size = 8 + header_len, size - 8 - header_len
+    entries = [_entry(key, info, path, data_start, data_size) for key, info in header.items()]
+    _check_tiling(entries, data_start, data_size, shard)
+    return {e.key: e for e in entries}
+
+
+def read_bytes(entry: TensorEntry, handle=None) -> bytes:
+    """The raw bytes of one tensor; a file that shrank since its header was read is a FormatError."""
+    try:
+        if handle is None:
+            with open(entry.path, "rb") as f:
+                return read_bytes(entry, f)
+        handle.seek(entry.offset)
+        data = handle.read(entry.nbytes)
+    except OSError as err:
+        raise FormatError(entry.key, f"in {entry.shard}: cannot read: {err}") from None
+    if len(data) != entry.nbytes:
+        raise FormatError(entry.key, f"in {entry.shard}: file ended after {len(data)} of {entry.nbytes} bytes")
+    return data
+
+
+def read_tensor(entry: TensorEntry, device=None) -> torch.Tensor:
+    """Load one tensor (little-endian, as safetensors stores it) onto device (default CPU)."""
+    dtype = DTYPES[entry.dtype]
+    if entry.nbytes == 0:
+        t = torch.empty(entry.shape, dtype=dtype)
+    else:
+        t = torch.frombuffer(bytearray(read_bytes(entry)), dtype=dtype).reshape(entry.shape)
+    return t if device is None else t.to(device)
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def write_shard(path: str, tensors: dict) -> None:
+    """Write {key: tensor} as one safetensors file (no __metadata__, header padded to 8 bytes)."""
+    header, offset, blobs = {}, 0, []
+    for key, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dtype not in DTYPE_NAMES:
+            raise ContractError(key, f"cannot store {getattr(t, 'dtype', type(t).__name__)} in safetensors")
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ContractError(repr(key), "tensor name must be valid UTF-8") from None
+        t = t.detach().to("cpu").contiguous()
+        nbytes = tensor_nbytes(t)
+        header[key] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+        blobs.append(t)
+    text = json.dumps(header, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)))
+        f.write(text)
+        for t in blobs:
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())

@@ -1,0 +1,116 @@
+"""Triton trellis decode: int16 tile rings -> fp16 W_inner blocks in natural [k, n] order, bit-exact.
+
+The packed position of tile element (r, c) separates as p = row_part(r) + col_part(c), so each
+element's ring words, shift and codebook work need no permutation; a block is decoded in place.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+CODEBOOK_ID = {"3inst": 0, "mcg": 1, "mul1": 2}
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def tile_row_part(r):
+    """Packed-position contribution of tile row r (0..15)."""
+    return 8 * ((r % 8) >> 1) + (r & 1) + 2 * (r >> 3)
+
+
+@triton.jit
+def tile_col_part(c):
+    """Packed-position contribution of tile column c (0..15)."""
+    return 32 * (c % 8) + 4 * (c >> 3)
+
+
+@triton.jit
+def ring_offsets(p, K2):
+    """For packed positions p and 2K = K2: (word holding the window's last bit, word before it, right shift)."""
+    words = 4 * K2
+    end = (((p + 1) * K2) >> 1) + 128 * K2
+    last = (end - 1) >> 5
+    return last % words, (last - 1) % words, 32 * (last + 1) - end
+
+
+@triton.jit
+def window16(lo, hi, shift, USE_ASM: tl.constexpr):
+    """Bits [shift, shift + 16) of the 64-bit value hi:lo (int32 words), as uint32."""
+    if USE_ASM:
+        w = tl.inline_asm_elementwise("shf.r.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, shift],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+        return w.to(tl.uint32, bitcast=True) & 0xFFFF
+    lo_u = lo.to(tl.uint32, bitcast=True)
+    hi_u = hi.to(tl.uint32, bitcast=True)
+    sh = shift.to(tl.uint32)
+    return ((lo_u >> sh) | ((hi_u << 1) << (31 - sh))) & 0xFFFF
+
+
+@triton.jit
+def _half_bits(bits):
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def codebook_value(state, CODEBOOK: tl.constexpr):
+    """uint32 states (0..65535) -> fp16 codebook values (0 = 3inst, 1 = mcg, 2 = mul1), bit-exact."""
+    if CODEBOOK == 2:
+        x = state * 0x83DCD12D
+        byte_sum = (x & 0xFF) + ((x >> 8) & 0xFF) + ((x >> 16) & 0xFF) + (x >> 24)
+        scaled = (1024 + byte_sum).to(tl.int32) * 1774 - 2721792
+        return (scaled.to(tl.float32) * 3.814697265625e-06).to(tl.float16)
+    if CODEBOOK == 0:
+        x = state * 89226354 + 64248484
+    else:
+        x = state * 0xCBAC1FED
+    x = (x & 0x8FFF8FFF) ^ 0x3B603B60
+    return (_half_bits(x & 0xFFFF).to(tl.float32) + _half_bits(x >> 16).to(tl.float32)).to(tl.float16)
+
+
+@triton.jit
+def decode_setup(BK: tl.constexpr, BN: tl.constexpr, K2, tiles_n):
+    """Loop-invariant word offsets [BK, BN] of a tile-aligned block (relative to its first tile) and shifts."""
+    rows = tl.arange(0, BK)
+    cols = tl.arange(0, BN)
+    p = tile_row_part(rows % 16)[:, None] + tile_col_part(cols % 16)[None, :]
+    off_last, off_prev, shift = ring_offsets(p, K2)
+    tile = ((rows // 16) * tiles_n)[:, None] + (cols // 16)[None, :]
+    base = tile * (4 * K2)
+    return base + off_last, base + off_prev, shift
+
+
+@triton.jit
+def decode_block(words_ptr, off_last, off_prev, shift, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
+    """Decode one block given its first tile's int32 word pointer and decode_setup's tables."""
+    lo = tl.load(words_ptr + off_last)
+    hi = tl.load(words_ptr + off_prev)
+    return codebook_value(window16(lo, hi, shift, USE_ASM), CODEBOOK)
+
+
+@triton.jit
+def _decode_kernel(words_ptr, out_ptr, tiles_n, n, K2: tl.constexpr, CODEBOOK: tl.constexpr,
+                   BK: tl.constexpr, BN: tl.constexpr, USE_ASM: tl.constexpr):
+    pid_k = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    off_last, off_prev, shift = decode_setup(BK, BN, K2, tiles_n)
+    first_tile = (pid_k * (BK // 16)) * tiles_n + pid_n * (BN // 16)
+    w = decode_block(words_ptr + first_tile.to(tl.int64) * (4 * K2), off_last, off_prev, shift, CODEBOOK, USE_ASM)
+    rows = pid_k * BK + tl.arange(0, BK)
+    cols = pid_n * BN + tl.arange(0, BN)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :], w)
+
+
+def trellis_decode(trellis: torch.Tensor, K: float, codebook: str, out: torch.Tensor) -> torch.Tensor:
+    """Write W_inner (fp16 [k, n]) of a contiguous int16 trellis into `out`. No validation: ops validate."""
+    tiles_k, tiles_n, _ = trellis.shape
+    block_k = 16
+    block_n = 64 if tiles_n % 4 == 0 else 16
+    grid = (tiles_k * 16 // block_k, tiles_n * 16 // block_n)
+    _decode_kernel[grid](trellis.view(torch.int32), out, tiles_n, tiles_n * 16, int(K * 2), CODEBOOK_ID[codebook],
+                         block_k, block_n, not interpreting() and trellis.is_cuda)
+    return out

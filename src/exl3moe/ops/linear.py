@@ -1,0 +1,197 @@
+"""EXL3 linear: validate -> plan -> bind -> run. `run` allocates nothing and never syncs with the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ContractError
+from ..format.hadamard import hadamard_blockwise
+from ..format.weight import EXL3Weight
+from ..kernels.hadamard import hadamard128
+from ..kernels.trellis_decode import interpreting, trellis_decode
+from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
+
+MAX_FUSED_ROWS = 128
+INPUT_DTYPES = (torch.float16, torch.bfloat16)
+OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+TARGET_PROGRAMS = 512  # about four waves of 132 SMs; a constant so the split never depends on the device
+_ALIGN = 256
+
+
+@dataclass(frozen=True)
+class LinearTiles:
+    """Tile shape of the fused path; depends on (k, n, K) only, so a row's bytes never depend on the batch."""
+
+    block_n: int
+    block_k: int
+    splits: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def plan_tiles(k: int, n: int, K: float, block_n: int = 64, block_k: int = 32) -> LinearTiles:
+    """Split k so that (n / block_n) x splits programs fill the GPU; no split is ever empty."""
+    chunks = k // block_k
+    splits = max(1, min(chunks, -(-TARGET_PROGRAMS // (n // block_n))))
+    per_split = -(-chunks // splits)
+    return LinearTiles(block_n, block_k, -(-chunks // per_split))
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or interpreting()
+
+
+def block_rows(rows: int) -> int:
+    """BM of the fused path: the next power of two >= rows, at least 16 (the smallest MMA tile)."""
+    bm = 16
+    while bm < rows:
+        bm *= 2
+    return bm
+
+
+def _check_weight(w: EXL3Weight) -> None:
+    if not isinstance(w, EXL3Weight):
+        raise ContractError("w", f"must be an EXL3Weight, got {type(w).__name__}")
+    for name in ("trellis", "suh", "svh") + (("bias",) if w.bias is not None else ()):
+        if not getattr(w, name).is_contiguous():
+            raise ContractError(f"{w.name}.{name}", "must be contiguous")
+
+
+def check_input(x: torch.Tensor, w: EXL3Weight, name: str = "x") -> torch.Tensor:
+    """Validate x [..., k] and return its 2-D view [rows, k]."""
+    if not isinstance(x, torch.Tensor):
+        raise ContractError(name, f"must be a tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise ContractError(name, f"dtype must be float16 or bfloat16, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] != w.in_features:
+        raise ContractError(name, f"last dim must be in_features = {w.in_features}, got shape {list(x.shape)}")
+    if x.device != w.device:
+        raise ContractError(name, f"is on {x.device}, the weight is on {w.device}")
+    try:
+        return x.view(-1, w.in_features)
+    except RuntimeError:
+        raise ContractError(name, "must be viewable as [rows, k] (contiguous rows)") from None
+
+
+def check_output(out: torch.Tensor, rows: int, w: EXL3Weight, lead: tuple, name: str = "out") -> torch.Tensor:
+    """Validate out [..., n] and return its 2-D view [rows, n]."""
+    if not isinstance(out, torch.Tensor):
+        raise ContractError(name, f"must be a tensor, got {type(out).__name__}")
+    if out.dtype not in OUTPUT_DTYPES:
+        raise ContractError(name, f"dtype must be float16, bfloat16 or float32, got {out.dtype}")
+    if tuple(out.shape) != tuple(lead) + (w.out_features,):
+        raise ContractError(name, f"shape must be {list(lead) + [w.out_features]}, got {list(out.shape)}")
+    if out.device != w.device:
+        raise ContractError(name, f"is on {out.device}, the weight is on {w.device}")
+    if not out.is_contiguous():
+        raise ContractError(name, "must be contiguous")
+    return out.view(rows, w.out_features)
+
+
+def _carve(workspace: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> tuple:
+    size = numel * torch.empty((), dtype=dtype).element_size()
+    view = workspace[offset:offset + size].view(dtype)
+    return view, offset + -(-size // _ALIGN) * _ALIGN
+
+
+class LinearPlan:
+    """Everything a call needs decided ahead: tiles, paths, workspace size for up to `max_rows` rows."""
+
+    def __init__(self, w: EXL3Weight, max_rows: int, tiles: LinearTiles | None = None):
+        _check_weight(w)
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ContractError("max_rows", f"must be a positive int, got {max_rows!r}")
+        self.weight = w
+        self.max_rows = max_rows
+        self.tiles = tiles or plan_tiles(w.in_features, w.out_features, w.K)
+        self.dense_path = max_rows > MAX_FUSED_ROWS
+        k, n = w.in_features, w.out_features
+        splits = max(self.tiles.splits, 1)
+        sizes = [(max_rows * k, torch.float16), (splits * max_rows * n, torch.float32)]
+        if self.dense_path:
+            sizes.append((k * n, torch.float16))
+        self._sizes = sizes
+        self.workspace_bytes = sum(-(-numel * torch.empty((), dtype=dt).element_size() // _ALIGN) * _ALIGN
+                                   for numel, dt in sizes)
+
+    def bind(self, workspace: torch.Tensor) -> "LinearRunner":
+        if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or workspace.dim() != 1:
+            raise ContractError("workspace", "must be a 1-D uint8 tensor")
+        if workspace.numel() < self.workspace_bytes:
+            raise ContractError("workspace", f"needs {self.workspace_bytes} bytes, got {workspace.numel()}")
+        if workspace.device != self.weight.device:
+            raise ContractError("workspace", f"is on {workspace.device}, the weight is on {self.weight.device}")
+        views, offset = [], 0
+        for numel, dtype in self._sizes:
+            view, offset = _carve(workspace, offset, numel, dtype)
+            views.append(view)
+        return LinearRunner(self, *views)
+
+    def allocate(self) -> torch.Tensor:
+        return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.weight.device)
+
+
+class LinearRunner:
+    """A plan bound to a workspace. `run` launches kernels only: no allocation, no host sync."""
+
+    def __init__(self, plan: LinearPlan, xh: torch.Tensor, partials: torch.Tensor, dense: torch.Tensor | None = None):
+        self.plan = plan
+        self._xh = xh
+        self._partials = partials
+        self._dense = dense
+
+    def run(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        w = self.plan.weight
+        x2 = check_input(x, w)
+        rows = x2.shape[0]
+        out2 = check_output(out, rows, w, tuple(x.shape[:-1]))
+        if rows > self.plan.max_rows:
+            raise ContractError("x", f"has {rows} rows, the plan was made for at most {self.plan.max_rows}")
+        if rows == 0:
+            return out
+        if not use_triton(x):
+            out2.copy_(linear_torch(x2, w))
+            return out
+        k, n = w.in_features, w.out_features
+        xh = self._xh[:rows * k].view(rows, k)
+        hadamard128(x2, xh, pre=w.suh)
+        t = self.plan.tiles
+        if rows <= MAX_FUSED_ROWS:
+            partials = self._partials[:t.splits * rows * n].view(t.splits, rows, n)
+            trellis_matmul(xh, w.trellis, w.K, w.codebook, partials, t.splits, block_rows(rows), t.block_n,
+                           t.block_k, t.num_warps, t.num_stages)
+        else:
+            partials = self._partials[:rows * n].view(1, rows, n)
+            trellis_decode(w.trellis, w.K, w.codebook, self._dense.view(k, n))
+            trellis_matmul(xh, w.trellis, w.K, w.codebook, partials, 1, 64, 128, 64, 4, 3,
+                           dense=self._dense.view(k, n))
+        trellis_epilogue(partials, w.svh, w.bias, out2)
+        return out
+
+
+def linear_torch(x2: torch.Tensor, w: EXL3Weight) -> torch.Tensor:
+    """The torch path (CPU without the Triton interpreter): fp32 arithmetic throughout."""
+    xh = hadamard_blockwise(x2.float() * w.suh.float())
+    y = hadamard_blockwise(xh @ w.inner().float()) * w.svh.float()
+    return y + w.bias.float() if w.bias is not None else y
+
+
+def linear_plan(w: EXL3Weight, max_rows: int, tiles: LinearTiles | None = None) -> LinearPlan:
+    """Validate the weight and plan calls of up to `max_rows` rows."""
+    return LinearPlan(w, max_rows, tiles)
+
+
+def linear(x: torch.Tensor, w: EXL3Weight, out: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """y = x @ W + bias for an EXL3 weight; x fp16/bf16 [..., k]; output x's dtype unless out/out_dtype say."""
+    _check_weight(w)
+    x2 = check_input(x, w)
+    if out is None:
+        dtype = out_dtype or x.dtype
+        if dtype not in OUTPUT_DTYPES:
+            raise ContractError("out_dtype", f"must be float16, bfloat16 or float32, got {dtype}")
+        out = torch.empty(*x.shape[:-1], w.out_features, dtype=dtype, device=x.device)
+    plan = LinearPlan(w, max(1, x2.shape[0]))
+    return plan.bind(plan.allocate()).run(x, out)

@@ -1,0 +1,67 @@
+"""Full-shape linear checks on a CUDA GPU: accuracy vs float64, row invariance, graph capture."""
+
+import pytest
+import torch
+
+from exl3moe import EXL3Weight
+from exl3moe.ops.linear import LinearPlan, linear
+
+pytestmark = pytest.mark.gpu
+
+
+def make_weight(k, n, K, codebook, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, int(16 * K)), dtype=torch.int16, device="cuda",
+                            generator=g)
+    sign = lambda m: torch.where(torch.rand(m, device="cuda", generator=g) < 0.5, -1.0, 1.0)  # noqa: E731
+    suh = (sign(k) * (0.5 + torch.rand(k, device="cuda", generator=g))).half()
+    svh = (sign(n) * (0.5 + torch.rand(n, device="cuda", generator=g))).half()
+    bias = torch.randn(n, device="cuda", generator=g).half()
+    return EXL3Weight(trellis, suh, svh, codebook, bias)
+
+
+def rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("K,codebook", [(4, "mcg"), (4, "mul1"), (2, "3inst"), (2.5, "mul1"), (8, "mcg")])
+@pytest.mark.parametrize("rows", [1, 7, 64, 128, 300])
+def test_full_shape_matches_float64(K, codebook, rows):
+    w = make_weight(4096, 14336, K, codebook)
+    x = torch.randn(rows, 4096, device="cuda").half()
+    ref = x.double() @ w.dense(torch.float64) + w.bias.double()
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        y = linear(x, w, out_dtype=dtype)
+        assert y.dtype == dtype
+        limit = 2e-3 if dtype != torch.bfloat16 else 6e-3
+        assert rel_l2(y, ref) < limit, (dtype, rel_l2(y, ref))
+
+
+@pytest.mark.parametrize("K,codebook", [(4, "mcg"), (3, "mul1")])
+def test_row_bytes_do_not_depend_on_row_count(K, codebook):
+    w = make_weight(2048, 768, K, codebook, seed=1)
+    x = torch.randn(128, 2048, device="cuda").half()
+    full = linear(x, w)
+    for rows in range(1, 129):
+        y = linear(x[:rows], w)
+        assert torch.equal(y.view(torch.int16), full[:rows].view(torch.int16)), rows
+
+
+def test_graph_capture_and_replay_allocates_nothing():
+    w = make_weight(4096, 1408, 4, "mul1", seed=2)
+    plan = LinearPlan(w, 64)
+    runner = plan.bind(plan.allocate())
+    x = torch.randn(37, 4096, device="cuda").half()
+    out = torch.empty(37, 1408, device="cuda", dtype=torch.float16)
+    runner.run(x, out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    before = torch.cuda.memory_allocated()
+    with torch.cuda.graph(graph):
+        runner.run(x, out)
+    assert torch.cuda.memory_allocated() == before
+    x.copy_(torch.randn(37, 4096, device="cuda").half())
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, linear(x, w))
