@@ -62,7 +62,8 @@ def overview_table(reader: CheckpointReader) -> Table:
     table.add_row("quantized linears", f"{len(linears)} ({weights} weights)")
     if weights:
         avg_k = sum(i.K * i.numel for i in linears) / weights
-        table.add_row("average bits per weight", f"{avg_k:.3f} (trellis), {linear_bytes * 8 / weights:.3f} (with scales)")
+        with_scales = linear_bytes * 8 / weights
+        table.add_row("average bits per weight", f"{avg_k:.3f} (trellis), {with_scales:.3f} (with scales)")
     table.add_row("total bytes", f"{reader.tensor_bytes} ({format_bytes(reader.tensor_bytes)})")
     table.add_row("quantized linear bytes", f"{linear_bytes} ({format_bytes(linear_bytes)})")
     table.add_row("other tensor bytes", format_bytes(reader.tensor_bytes - linear_bytes))
@@ -104,7 +105,8 @@ def moe_table(reader: CheckpointReader) -> Table:
         if m:
             by_prefix.setdefault(m["prefix"], []).append((int(m["index"]), m["proj"], info))
     table = Table(title="MoE layers: routed experts and expert widths (K)")
-    for name in ("prefix", "experts", "hidden", "intermediate", "projections", "shared expert", "K histogram"):
+    for name in ("prefix", "experts", "hidden", "intermediate", "projections", "shared expert",
+                 "K histogram (expert projections)"):
         table.add_column(name, overflow="fold")
     keys = [info.key for info in reader.linears()]
     for prefix in reader.moe_layers():
@@ -132,7 +134,8 @@ def cmd_inspect(args) -> int:
     except FormatError as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    inspect_checkpoint(reader, Console(width=args.width))
+    width = args.width or (None if sys.stdout.isatty() else 160)
+    inspect_checkpoint(reader, Console(width=width))
     return 0
 
 
@@ -162,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     inspect = sub.add_parser("inspect", help="describe an EXL3 checkpoint: layers, shapes, K, codebooks, sizes")
     inspect.add_argument("path", help="checkpoint directory (config.json + *.safetensors)")
-    inspect.add_argument("--width", type=int, default=None, help="table width in columns (default: terminal)")
+    inspect.add_argument("--width", type=int, default=None,
+                         help="table width in columns (default: the terminal's, 160 when not a terminal)")
     inspect.set_defaults(func=cmd_inspect)
     for name, func, text in (("demo", cmd_demo, "run a small MoE layer end to end"),
                              ("verify", cmd_verify, "check kernels against the float64 oracle"),

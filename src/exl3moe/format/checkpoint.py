@@ -379,6 +379,9 @@ def write_checkpoint(path, linears: dict, tensors: dict, config: dict,
         total = sum(tensor_nbytes(t) for shard in shards for t in shard.values())
         _write_json(os.path.join(path, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map})
     qc = _quantization_config(config, linears)
-    _write_json(os.path.join(path, CONFIG_FILE), {**config, "quantization_config": qc})
+    config = {**config, "quantization_config": qc}
+    if "lm_head" in linears and "tie_word_embeddings" in config:
+        config["tie_word_embeddings"] = False  # a stored lm_head is untied, as exllamav3 records it
+    _write_json(os.path.join(path, CONFIG_FILE), config)
     _write_json(os.path.join(path, QUANT_CONFIG_FILE), {**qc, "tensor_storage": _tensor_storage(groups, linears)})
     return names

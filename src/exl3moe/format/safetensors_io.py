@@ -71,7 +71,7 @@ def _parse_json(raw: bytes, shard: str) -> dict:
 
 
 def _is_count(x) -> bool:
-    return type(x) is int and 0 <= x < 1 << 64
+    return type(x) is int and 0 <= x < 1 << 63
 
 
 def _entry(key: str, info, path: str, data_start: int, data_size: int) -> TensorEntry:

@@ -35,13 +35,14 @@ import triton
 import triton.language as tl
 
 # Largest N on the one-launch path: a one-program sort of 4096 keys stays register resident, and
-# decode / small prefill save two launches (~2-4 us each); retune from bench/route_pack.py.
+# decode / small prefill save two launches (~2-4 us each); the crossover is for a GPU benchmark to set.
 SMALL_MAX_SLOTS = 4096
 # Slots per chunk on the many-slot path: 32 programs at 4096x8 slots while the one-program scan
 # over chunks stays short at 10^5 x 16 slots.
 CHUNK_SLOTS = 1024
-# Chunk rows the scan program reads per step: a [8, 1024] int32 tile at E = 512 fits in registers.
-SCAN_CHUNK_ROWS = 8
+# Elements of the [chunk rows, experts] tile the scan program reads per step: 32 int32 per thread at
+# 8 warps, so one step covers 32 chunks at E = 128 and 8 chunks at E = 512 without spilling.
+SCAN_TILE_ELEMENTS = 8192
 # Block indices resolved per step of the binary search: a tile wide enough to cover decode in one step.
 BLOCK_TABLE_TILE = 256
 
@@ -53,6 +54,11 @@ def route_pack_max_blocks(num_slots: int, num_experts: int, block_m: int) -> int
 
 def _uses_small_path(num_slots: int, small_max_slots: int) -> bool:
     return num_slots <= small_max_slots
+
+
+def _sort_warps(keys: int) -> int:
+    """Warps for a program sorting `keys` keys: at most 8 keys per thread up to 1024 keys."""
+    return 4 if keys <= 1024 else 8
 
 
 def route_pack_workspace_numel(
@@ -72,6 +78,38 @@ def _mapped_ids(ids_ptr, slot, num_slots, num_experts):
     valid = (raw >= 0) & (raw < num_experts)
     mapped = tl.where(valid, raw, num_experts).to(tl.int32)
     return tl.where(in_range, mapped, num_experts + 1)
+
+
+@triton.jit
+def _compare_and_swap(x, flip, dim: tl.constexpr, LOG2_N: tl.constexpr):
+    """One bitonic step: partners 2**(LOG2_N - dim - 1) apart; the right one takes the max unless flipped."""
+    shape: tl.constexpr = [2**dim, 2, 2 ** (LOG2_N - dim - 1)]
+    pairs = tl.reshape(x, shape)
+    smaller = tl.broadcast_to(tl.min(pairs, 1)[:, None, :], shape)
+    larger = tl.broadcast_to(tl.max(pairs, 1)[:, None, :], shape)
+    is_right = tl.broadcast_to(tl.arange(0, 2)[None, :, None], shape)
+    takes_larger = is_right ^ tl.reshape(flip, shape)
+    return tl.reshape(tl.where(takes_larger != 0, larger, smaller), x.shape)
+
+
+@triton.jit
+def _run_direction(LOG2_N: tl.constexpr, STAGE: tl.constexpr):
+    """1 where an element's run of 2**STAGE sorts descending: runs alternate so pairs of runs are bitonic."""
+    shape: tl.constexpr = [2 ** (LOG2_N - 1 - STAGE), 2, 2**STAGE]
+    return tl.reshape(tl.broadcast_to(tl.arange(0, 2)[None, :, None], shape), [2**LOG2_N])
+
+
+@triton.jit
+def _sort_ascending(x, LOG2_N: tl.constexpr):
+    """Bitonic sort of a 1-D tensor of 2**LOG2_N distinct ints (min/max steps, so ties need no care)."""
+    for stage in tl.static_range(1, LOG2_N + 1):
+        if stage < LOG2_N:
+            flip = _run_direction(LOG2_N, stage)
+        else:
+            flip = tl.zeros(x.shape, dtype=tl.int32)
+        for step in tl.static_range(stage):
+            x = _compare_and_swap(x, flip, LOG2_N - stage + step, LOG2_N)
+    return x
 
 
 @triton.jit
@@ -118,7 +156,7 @@ def _store_offsets_and_block_prefix(
 def _route_pack_single_kernel(
     ids_ptr, counts_ptr, offsets_ptr, sorted_slots_ptr, block_expert_ptr, block_start_ptr, num_blocks_ptr,
     block_prefix_ptr, num_slots, num_experts, max_blocks,
-    BLOCK: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
     TABLE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
     """Whole route pack in one program for N <= BLOCK."""
@@ -130,7 +168,7 @@ def _route_pack_single_kernel(
         bucket_counts, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr, num_experts, BLOCK_M, EXPERTS_PAD
     )
     # Keys are unique, so the sort is stable; padding (id E+1) sorts past every real slot.
-    sorted_keys = tl.sort(mapped * BLOCK + slot)
+    sorted_keys = _sort_ascending(mapped * BLOCK + slot, LOG2_BLOCK)
     tl.store(sorted_slots_ptr + slot, sorted_keys % BLOCK, mask=slot < num_slots)
     # The block table reads back offsets and the block prefix this program just stored.
     tl.debug_barrier()
@@ -158,8 +196,9 @@ def _chunk_scan_kernel(
     num_chunks, num_experts,
     EXPERTS_PAD: tl.constexpr, SCAN_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """Totals, offsets and block prefix; chunk_base[c, e] = first row of bucket e's slots of chunk c
-    minus their rank offset inside the chunk, so a slot lands at chunk_base[c, id] + its sorted position."""
+    """Counts, offsets, block prefix, and chunk_base[c, e] = offsets[e] + (rows of e in chunks before c)
+    - (rows of buckets below e in chunk c): the slot at sorted position p of chunk c goes to row
+    chunk_base[c, id] + p."""
     bucket = tl.arange(0, EXPERTS_PAD)
     row = tl.arange(0, SCAN_ROWS)
     stride = num_experts + 1
@@ -172,7 +211,7 @@ def _chunk_scan_kernel(
     _store_offsets_and_block_prefix(
         totals, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr, num_experts, BLOCK_M, EXPERTS_PAD
     )
-    # Row of bucket e's first slot in the current chunk, carried over chunks.
+    # offsets[e] + rows of bucket e in the chunks before this tile.
     running = tl.cumsum(totals, 0) - totals
     for row_begin in range(0, num_chunks, SCAN_ROWS):
         tile_mask = ((row_begin + row) < num_chunks)[:, None] & in_bucket[None, :]
@@ -189,14 +228,15 @@ def _chunk_scan_kernel(
 def _chunk_scatter_kernel(
     ids_ptr, chunk_base_ptr, sorted_slots_ptr, offsets_ptr, block_prefix_ptr, block_expert_ptr,
     block_start_ptr, num_slots, num_experts, max_blocks, blocks_per_program,
-    CHUNK: tl.constexpr, BLOCK_M: tl.constexpr, TABLE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
+    TABLE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
 ):
     """Stable scatter of one chunk's slots to their sorted rows, then this program's share of the block table."""
     chunk = tl.program_id(0)
     local = tl.arange(0, CHUNK)
     mapped = _mapped_ids(ids_ptr, chunk * CHUNK + local, num_slots, num_experts)
     # Unique keys: equal ids keep slot order; padding (id E+1) sorts past every real slot.
-    sorted_keys = tl.sort(mapped * CHUNK + local)
+    sorted_keys = _sort_ascending(mapped * CHUNK + local, LOG2_CHUNK)
     sorted_ids = sorted_keys // CHUNK
     live = chunk * CHUNK + local < num_slots
     base = tl.load(chunk_base_ptr + chunk * (num_experts + 1) + sorted_ids, mask=live, other=0)
@@ -227,8 +267,9 @@ def route_pack(
 
     Buffers: counts [E+1], offsets [E+2], sorted_slots [N], block_expert and block_start [max_blocks]
     with max_blocks >= route_pack_max_blocks(N, E, block_m), num_blocks [1], workspace of at least
-    route_pack_workspace_numel(N, E, small_max_slots, chunk_slots) elements. block_m and chunk_slots
-    must be powers of two. The grid depends on N and E only.
+    route_pack_workspace_numel(N, E, small_max_slots, chunk_slots) elements. topk_ids contiguous;
+    block_m and chunk_slots powers of two; sort keys are int32, so (E+2) * max(next_pow2(N) on the
+    one-launch path, chunk_slots) must stay below 2**31. The grid depends on N and E only.
     """
     num_slots = topk_ids.numel()
     max_blocks = block_expert.numel()
@@ -240,8 +281,8 @@ def route_pack(
         _route_pack_single_kernel[(1,)](
             topk_ids, counts, offsets, sorted_slots, block_expert, block_start, num_blocks, block_prefix,
             num_slots, num_experts, max_blocks,
-            BLOCK=block, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,
-            TABLE_TILE=BLOCK_TABLE_TILE, SEARCH_STEPS=search_steps, num_warps=4 if block <= 1024 else 8,
+            BLOCK=block, LOG2_BLOCK=block.bit_length() - 1, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,
+            TABLE_TILE=BLOCK_TABLE_TILE, SEARCH_STEPS=search_steps, num_warps=_sort_warps(block),
         )
         return
     num_chunks = triton.cdiv(num_slots, chunk_slots)
@@ -253,10 +294,11 @@ def route_pack(
     )
     _chunk_scan_kernel[(1,)](
         chunk_counts, chunk_base, counts, offsets, block_prefix, num_blocks, num_chunks, num_experts,
-        EXPERTS_PAD=experts_pad, SCAN_ROWS=SCAN_CHUNK_ROWS, BLOCK_M=block_m, num_warps=8,
+        EXPERTS_PAD=experts_pad, SCAN_ROWS=max(1, SCAN_TILE_ELEMENTS // experts_pad), BLOCK_M=block_m, num_warps=8,
     )
     _chunk_scatter_kernel[(num_chunks,)](
         topk_ids, chunk_base, sorted_slots, offsets, block_prefix, block_expert, block_start,
         num_slots, num_experts, max_blocks, triton.cdiv(max_blocks, num_chunks),
-        CHUNK=chunk_slots, BLOCK_M=block_m, TABLE_TILE=BLOCK_TABLE_TILE, SEARCH_STEPS=search_steps,
+        CHUNK=chunk_slots, LOG2_CHUNK=chunk_slots.bit_length() - 1, BLOCK_M=block_m,
+        TABLE_TILE=BLOCK_TABLE_TILE, SEARCH_STEPS=search_steps, num_warps=_sort_warps(chunk_slots),
     )

@@ -114,3 +114,73 @@ def trellis_decode(trellis: torch.Tensor, K: float, codebook: str, out: torch.Te
     _decode_kernel[grid](trellis.view(torch.int32), out, tiles_n, tiles_n * 16, int(K * 2), CODEBOOK_ID[codebook],
                          block_k, block_n, not interpreting() and trellis.is_cuda)
     return out
+
+
+@triton.jit
+def gather_setup(BK: tl.constexpr, BN: tl.constexpr, K2, WPAD: tl.constexpr):
+    """Indices into a [BK/16, WPAD] block of words (one padded row per tile row) and shifts."""
+    rows = tl.arange(0, BK)
+    cols = tl.arange(0, BN)
+    p = tile_row_part(rows % 16)[:, None] + tile_col_part(cols % 16)[None, :]
+    off_last, off_prev, shift = ring_offsets(p, K2)
+    base = ((rows // 16) * WPAD)[:, None] + ((cols // 16) * (4 * K2))[None, :]
+    return tl.reshape(base + off_last, [BK * BN]), tl.reshape(base + off_prev, [BK * BN]), shift
+
+
+@triton.jit
+def load_word_rows(words_ptr, tiles_n, K2, BK: tl.constexpr, BN: tl.constexpr, WPAD: tl.constexpr):
+    """Coalesced load of a block's ring words: [BK/16, WPAD] int32, each row the block's tiles of one tile row."""
+    tr = tl.arange(0, BK // 16)
+    w = tl.arange(0, WPAD)
+    ptrs = words_ptr + (tr * (tiles_n * 4 * K2))[:, None] + w[None, :]
+    return tl.load(ptrs, mask=(w < (BN // 16) * 4 * K2)[None, :], other=0)
+
+
+@triton.jit
+def decode_gathered(word_rows, idx_last, idx_prev, shift, BK: tl.constexpr, BN: tl.constexpr,
+                    WPAD: tl.constexpr, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
+    """Decode a block from its loaded word rows by gathering each element's two words on chip."""
+    flat = tl.reshape(word_rows, [(BK // 16) * WPAD])
+    lo = tl.reshape(tl.gather(flat, idx_last, 0), [BK, BN])
+    hi = tl.reshape(tl.gather(flat, idx_prev, 0), [BK, BN])
+    if USE_ASM == 2:
+        return decode_words(lo, hi, shift, CODEBOOK, True)
+    return codebook_value(window16(lo, hi, shift, USE_ASM), CODEBOOK)
+
+
+_ASM_LOP3 = """{
+ .reg .b32 x; .reg .b16 lo, hi;
+ shf.r.clamp.b32 x, $1, $2, $3;
+ and.b32 x, x, 65535;
+ MULTIPLY
+ lop3.b32 x, x, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+ mov.b32 {lo, hi}, x;
+ add.rn.f16 $0, lo, hi;
+}"""
+ASM_3INST = tl.constexpr(_ASM_LOP3.replace("MULTIPLY", "mad.lo.u32 x, x, 89226354, 64248484;"))
+ASM_MCG = tl.constexpr(_ASM_LOP3.replace("MULTIPLY", "mul.lo.u32 x, x, 0xCBAC1FED;"))
+ASM_MUL1 = tl.constexpr("""{
+ .reg .b32 x; .reg .b16 h, kinv, kbias, unused;
+ shf.r.clamp.b32 x, $1, $2, $3;
+ and.b32 x, x, 65535;
+ mul.lo.u32 x, x, 0x83DCD12D;
+ dp4a.u32.u32 x, x, 0x01010101, 0x6400;
+ mov.b32 {h, unused}, x;
+ mov.b16 kinv, 0x1EEE;
+ mov.b16 kbias, 0xC931;
+ fma.rn.f16 $0, h, kinv, kbias;
+}""")
+
+
+@triton.jit
+def decode_words(lo, hi, shift, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
+    """Window of hi:lo at `shift` -> fp16 codebook value; one inline-asm block per element on the GPU."""
+    if USE_ASM:
+        if CODEBOOK == 0:
+            asm = ASM_3INST
+        elif CODEBOOK == 1:
+            asm = ASM_MCG
+        else:
+            asm = ASM_MUL1
+        return tl.inline_asm_elementwise(asm, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True, pack=1)
+    return codebook_value(window16(lo, hi, shift, False), CODEBOOK)

@@ -9,19 +9,23 @@ import torch
 import triton
 import triton.language as tl
 
-from .hadamard import INV_SQRT_128, hadamard128_tile
-from .trellis_decode import CODEBOOK_ID, decode_block, decode_setup, interpreting
+from .hadamard import hadamard128_rows, split_bf16
+from .trellis_decode import (CODEBOOK_ID, decode_block, decode_gathered, decode_setup, gather_setup, interpreting,
+                             load_word_rows)
 
 
 @triton.jit
 def _trellis_matmul_kernel(xh_ptr, words_ptr, part_ptr, rows, n, tiles_n, chunks_per_split, chunks_total,
                            stride_x, K2: tl.constexpr, CODEBOOK: tl.constexpr, BM: tl.constexpr,
-                           BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, DENSE: tl.constexpr):
+                           BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, DENSE: tl.constexpr,
+                           GATHER: tl.constexpr = False, WPAD: tl.constexpr = 1):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
     if DENSE:
         dense_offs = tl.arange(0, BK)[:, None] * n + tl.arange(0, BN)[None, :]
+    elif GATHER:
+        off_last, off_prev, shift = gather_setup(BK, BN, K2, WPAD)
     else:
         off_last, off_prev, shift = decode_setup(BK, BN, K2, tiles_n)
     r = pid_m * BM + tl.arange(0, BM)
@@ -40,6 +44,9 @@ def _trellis_matmul_kernel(xh_ptr, words_ptr, part_ptr, rows, n, tiles_n, chunks
     for _ in range(first, last):
         if DENSE:
             w = tl.load(words + dense_offs)
+        elif GATHER:
+            w = decode_gathered(load_word_rows(words, tiles_n, K2, BK, BN, WPAD), off_last, off_prev, shift,
+                                BK, BN, WPAD, CODEBOOK, USE_ASM)
         else:
             w = decode_block(words, off_last, off_prev, shift, CODEBOOK, USE_ASM)
         x = tl.load(x_ptrs, mask=row_mask, other=0.0)
@@ -53,7 +60,7 @@ def _trellis_matmul_kernel(xh_ptr, words_ptr, part_ptr, rows, n, tiles_n, chunks
 
 @triton.jit
 def _epilogue_kernel(part_ptr, svh_ptr, bias_ptr, out_ptr, rows, n, splits, stride_o,
-                     HAS_BIAS: tl.constexpr, BM: tl.constexpr):
+                     HAS_BIAS: tl.constexpr, BM: tl.constexpr, SPLIT_BF16: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     r = pid_m * BM + tl.arange(0, BM)
@@ -63,7 +70,7 @@ def _epilogue_kernel(part_ptr, svh_ptr, bias_ptr, out_ptr, rows, n, splits, stri
     acc = tl.zeros((BM, 128), dtype=tl.float32)
     for s in range(splits):
         acc += tl.load(part_ptr + s * rows * n + offs, mask=mask, other=0.0)
-    y = tl.dot(acc, hadamard128_tile(), input_precision="ieee") * INV_SQRT_128
+    y = hadamard128_rows(acc, SPLIT_BF16)
     y = y * tl.load(svh_ptr + c).to(tl.float32)[None, :]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + c).to(tl.float32)[None, :]
@@ -72,10 +79,11 @@ def _epilogue_kernel(part_ptr, svh_ptr, bias_ptr, out_ptr, rows, n, splits, stri
 
 def trellis_matmul(xh: torch.Tensor, trellis: torch.Tensor, K: float, codebook: str, partials: torch.Tensor,
                    splits: int, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
-                   num_stages: int = 2, dense: torch.Tensor | None = None) -> torch.Tensor:
+                   num_stages: int = 3, dense: torch.Tensor | None = None, asm_level: int = 2) -> torch.Tensor:
     """partials [splits, rows, n] fp32 <- xh [rows, k] fp16 @ W_inner, k split into `splits` chunk ranges.
 
     With `dense` (fp16 [k, n], W_inner decoded once) the weight is read from it instead of decoded.
+    asm_level on a GPU: 0 portable Triton, 1 funnel shift in asm, 2 whole window + codebook in asm.
     """
     rows, k = xh.shape
     tiles_n = trellis.shape[1]
@@ -84,9 +92,11 @@ def trellis_matmul(xh: torch.Tensor, trellis: torch.Tensor, K: float, codebook: 
     chunks_total = k // block_k
     per_split = triton.cdiv(chunks_total, splits)
     grid = (n // block_n, splits, triton.cdiv(rows, block_m))
+    k2 = int(K * 2)
+    use_asm = asm_level if xh.is_cuda and not interpreting() else 0
     _trellis_matmul_kernel[grid](xh, source, partials, rows, n, tiles_n, per_split, chunks_total,
-                                 xh.stride(0), int(K * 2), CODEBOOK_ID[codebook], block_m, block_n, block_k,
-                                 not interpreting() and xh.is_cuda, dense is not None,
+                                 xh.stride(0), k2, CODEBOOK_ID[codebook], block_m, block_n, block_k,
+                                 use_asm, dense is not None, True, triton.next_power_of_2(block_n // 16 * 4 * k2),
                                  num_warps=num_warps, num_stages=num_stages)
     return partials
 
@@ -98,5 +108,5 @@ def trellis_epilogue(partials: torch.Tensor, svh: torch.Tensor, bias: torch.Tens
     block_m = 16
     grid = (triton.cdiv(rows, block_m), n // 128)
     _epilogue_kernel[grid](partials, svh, bias if bias is not None else svh, out, rows, n, splits, out.stride(0),
-                           bias is not None, block_m)
+                           bias is not None, block_m, split_bf16(out))
     return out

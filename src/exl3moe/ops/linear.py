@@ -16,7 +16,7 @@ from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-TARGET_PROGRAMS = 512  # about four waves of 132 SMs; a constant so the split never depends on the device
+TARGET_PROGRAMS = 1024  # enough programs in flight to hide load latency; a constant, so device-independent
 _ALIGN = 256
 
 
@@ -28,10 +28,10 @@ class LinearTiles:
     block_k: int
     splits: int
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 3
 
 
-def plan_tiles(k: int, n: int, K: float, block_n: int = 64, block_k: int = 32) -> LinearTiles:
+def plan_tiles(k: int, n: int, K: float, block_n: int = 128, block_k: int = 32) -> LinearTiles:
     """Split k so that (n / block_n) x splits programs fill the GPU; no split is ever empty."""
     chunks = k // block_k
     splits = max(1, min(chunks, -(-TARGET_PROGRAMS // (n // block_n))))
