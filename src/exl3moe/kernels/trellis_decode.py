@@ -175,12 +175,12 @@ ASM_MUL1 = tl.constexpr("""{
 @triton.jit
 def decode_words(lo, hi, shift, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
     """Window of hi:lo at `shift` -> fp16 codebook value; one inline-asm block per element on the GPU."""
-    if USE_ASM:
-        if CODEBOOK == 0:
-            asm = ASM_3INST
-        elif CODEBOOK == 1:
-            asm = ASM_MCG
-        else:
-            asm = ASM_MUL1
-        return tl.inline_asm_elementwise(asm, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True, pack=1)
-    return codebook_value(window16(lo, hi, shift, False), CODEBOOK)
+    if not USE_ASM:
+        return codebook_value(window16(lo, hi, shift, False), CODEBOOK)
+    if CODEBOOK == 0:
+        return tl.inline_asm_elementwise(ASM_3INST, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True,
+                                         pack=1)
+    if CODEBOOK == 1:
+        return tl.inline_asm_elementwise(ASM_MCG, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True,
+                                         pack=1)
+    return tl.inline_asm_elementwise(ASM_MUL1, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True, pack=1)
