@@ -184,3 +184,108 @@ def decode_words(lo, hi, shift, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
         return tl.inline_asm_elementwise(ASM_MCG, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True,
                                          pack=1)
     return tl.inline_asm_elementwise(ASM_MUL1, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True, pack=1)
+
+
+@triton.jit
+def lane_setup(BK: tl.constexpr, BN: tl.constexpr, K2: tl.constexpr, WPAD: tl.constexpr):
+    """Per (tile slot, half-lane q = 2*lane + half): gather indices of its 3 ring words and its bit misalignment.
+
+    Half-lane q covers packed positions 8*lane + 4*half .. +3; its bits start at S(first) - 16 (ring-biased).
+    """
+    TNB: tl.constexpr = BN // 16
+    slot = tl.arange(0, (BK // 16) * TNB)
+    q = tl.arange(0, 64)
+    start = ((((q >> 1) * 8 + (q & 1) * 4 + 1) * K2) >> 1) + 128 * K2 - 16
+    word = start >> 5
+    base = ((slot // TNB) * WPAD + (slot % TNB) * (4 * K2))[:, None]
+    i0 = base + (word % (4 * K2))[None, :]
+    i1 = base + ((word + 1) % (4 * K2))[None, :]
+    i2 = base + ((word + 2) % (4 * K2))[None, :]
+    misalign = (start & 31)[None, :] + 0 * slot[:, None]
+    return i0, i1, i2, misalign
+
+
+@triton.jit
+def _shift_left_pair(hi, lo, n, USE_ASM: tl.constexpr):
+    """Upper 32 bits of (hi:lo) << n, n in 0..31, as uint32."""
+    if USE_ASM:
+        r = tl.inline_asm_elementwise("shf.l.clamp.b32 $0, $1, $2, $3;", "=r,r,r,r", [lo, hi, n],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+        return r.to(tl.uint32, bitcast=True)
+    hu = hi.to(tl.uint32, bitcast=True)
+    lu = lo.to(tl.uint32, bitcast=True)
+    nu = n.to(tl.uint32)
+    return (hu << nu) | ((lu >> 1) >> (31 - nu))
+
+
+@triton.jit
+def _window_at(hi, lo, D: tl.constexpr):
+    """16 bits starting D bits below the top of the aligned 64-bit hi:lo (constant shifts only)."""
+    if D + 16 <= 32:
+        w = hi >> (16 - D)
+    elif D >= 32:
+        w = lo >> (48 - D)
+    else:
+        w = (hi << (D - 16)) | (lo >> (48 - D))
+    return w & 0xFFFF
+
+
+@triton.jit
+def codebook_asm(state, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
+    """uint32 state -> fp16 value; inline asm on the GPU, portable Triton otherwise."""
+    if not USE_ASM:
+        v = codebook_value(state, CODEBOOK)
+    elif CODEBOOK == 0:
+        v = tl.inline_asm_elementwise(ASM_CB_3INST, "=h,r", [state.to(tl.int32, bitcast=True)], dtype=tl.float16,
+                                      is_pure=True, pack=1)
+    elif CODEBOOK == 1:
+        v = tl.inline_asm_elementwise(ASM_CB_MCG, "=h,r", [state.to(tl.int32, bitcast=True)], dtype=tl.float16,
+                                      is_pure=True, pack=1)
+    else:
+        v = tl.inline_asm_elementwise(ASM_CB_MUL1, "=h,r", [state.to(tl.int32, bitcast=True)], dtype=tl.float16,
+                                      is_pure=True, pack=1)
+    return v
+
+
+_ASM_CB_LOP3 = """{
+ .reg .b32 x; .reg .b16 lo, hi;
+ MULTIPLY
+ lop3.b32 x, x, 0x8FFF8FFF, 0x3B603B60, 0x6A;
+ mov.b32 {lo, hi}, x;
+ add.rn.f16 $0, lo, hi;
+}"""
+ASM_CB_3INST = tl.constexpr(_ASM_CB_LOP3.replace("MULTIPLY", "mad.lo.u32 x, $1, 89226354, 64248484;"))
+ASM_CB_MCG = tl.constexpr(_ASM_CB_LOP3.replace("MULTIPLY", "mul.lo.u32 x, $1, 0xCBAC1FED;"))
+ASM_CB_MUL1 = tl.constexpr("""{
+ .reg .b32 x; .reg .b16 h, kinv, kbias, unused;
+ mul.lo.u32 x, $1, 0x83DCD12D;
+ dp4a.u32.u32 x, x, 0x01010101, 0x6400;
+ mov.b32 {h, unused}, x;
+ mov.b16 kinv, 0x1EEE;
+ mov.b16 kbias, 0xC931;
+ fma.rn.f16 $0, h, kinv, kbias;
+}""")
+
+
+@triton.jit
+def decode_lanes(word_rows, i0, i1, i2, misalign, BK: tl.constexpr, BN: tl.constexpr, WPAD: tl.constexpr,
+                 K2: tl.constexpr, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
+    """Decode a [BK, BN] block: each half-lane aligns its 3 words once, then cuts 4 windows at constant offsets."""
+    NT: tl.constexpr = (BK // 16) * (BN // 16)
+    flat = tl.reshape(word_rows, [(BK // 16) * WPAD])
+    w0 = tl.reshape(tl.gather(flat, tl.reshape(i0, [NT * 64]), 0), [NT, 64])
+    w1 = tl.reshape(tl.gather(flat, tl.reshape(i1, [NT * 64]), 0), [NT, 64])
+    w2 = tl.reshape(tl.gather(flat, tl.reshape(i2, [NT * 64]), 0), [NT, 64])
+    hi = _shift_left_pair(w0, w1, misalign, USE_ASM)
+    lo = _shift_left_pair(w1, w2, misalign, USE_ASM)
+    D0: tl.constexpr = 0
+    D1: tl.constexpr = ((2 * K2) >> 1) - (K2 >> 1)
+    D2: tl.constexpr = ((3 * K2) >> 1) - (K2 >> 1)
+    D3: tl.constexpr = ((4 * K2) >> 1) - (K2 >> 1)
+    v0 = codebook_asm(_window_at(hi, lo, D0), CODEBOOK, USE_ASM)
+    v1 = codebook_asm(_window_at(hi, lo, D1), CODEBOOK, USE_ASM)
+    v2 = codebook_asm(_window_at(hi, lo, D2), CODEBOOK, USE_ASM)
+    v3 = codebook_asm(_window_at(hi, lo, D3), CODEBOOK, USE_ASM)
+    quad = tl.join(tl.join(v0, v1), tl.join(v2, v3))
+    quad = tl.reshape(quad, [BK // 16, BN // 16, 8, 4, 2, 2, 2])
+    return tl.reshape(tl.permute(quad, (0, 6, 3, 5, 1, 4, 2)), [BK, BN])

@@ -31,7 +31,7 @@ class LinearTiles:
     num_stages: int = 3
 
 
-def plan_tiles(k: int, n: int, K: float, block_n: int = 128, block_k: int = 32) -> LinearTiles:
+def plan_tiles(k: int, n: int, K: float, block_n: int = 128, block_k: int = 64) -> LinearTiles:
     """Split k so that (n / block_n) x splits programs fill the GPU; no split is ever empty."""
     chunks = k // block_k
     splits = max(1, min(chunks, -(-TARGET_PROGRAMS // (n // block_n))))
