@@ -1,8 +1,11 @@
 """exl3moe: EXL3 (QTIP trellis) linear and routed-MoE layers for NVIDIA GPUs, with float64 oracles."""
 
+from . import reference
 from .errors import ContractError, FormatError
-from .format import EXL3Weight, ExpertSet, ResidualStage, decode, open_checkpoint
+from .format import EXL3Weight, ExpertSet, ResidualStage, decode, open_checkpoint, write_checkpoint
+from .ops.linear import LinearPlan, linear, linear_plan
+from .ops.modules import EXL3Linear
 
 __version__ = "0.1.0"
-__all__ = ["ContractError", "EXL3Weight", "ExpertSet", "FormatError", "ResidualStage", "decode", "open_checkpoint",
-           "__version__"]
+__all__ = ["ContractError", "EXL3Linear", "EXL3Weight", "ExpertSet", "FormatError", "LinearPlan", "ResidualStage",
+           "decode", "linear", "linear_plan", "open_checkpoint", "reference", "write_checkpoint", "__version__"]

@@ -70,9 +70,12 @@ def check_input(x: torch.Tensor, w: EXL3Weight, name: str = "x") -> torch.Tensor
     if x.device != w.device:
         raise ContractError(name, f"is on {x.device}, the weight is on {w.device}")
     try:
-        return x.view(-1, w.in_features)
+        x2 = x.view(-1, w.in_features)
     except RuntimeError:
-        raise ContractError(name, "must be viewable as [rows, k] (contiguous rows)") from None
+        raise ContractError(name, "must be viewable as [rows, k] with contiguous rows") from None
+    if x2.shape[0] > 1 and x2.stride(1) != 1:
+        raise ContractError(name, "must be viewable as [rows, k] with contiguous rows (last-dim stride 1)")
+    return x2
 
 
 def check_output(out: torch.Tensor, rows: int, w: EXL3Weight, lead: tuple, name: str = "out") -> torch.Tensor:

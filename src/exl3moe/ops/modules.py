@@ -1,0 +1,52 @@
+"""nn.Modules over the ops: EXL3Linear (and the MoE module in ops/moe_module.py)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..format.weight import EXL3Weight
+from .linear import LinearPlan, check_input
+
+
+class EXL3Linear(nn.Module):
+    """y = x @ W + bias for an EXL3 weight. Keeps a workspace per device for calls of up to `max_rows` rows;
+    pass `out` to make a call allocate nothing (CUDA-graph capture)."""
+
+    def __init__(self, weight: EXL3Weight, max_rows: int = 128):
+        super().__init__()
+        self.weight = weight
+        self.max_rows = max_rows
+        self._plan = LinearPlan(weight, max_rows)
+        self._runner = None
+
+    @classmethod
+    def from_checkpoint(cls, reader, key: str, device: torch.device | str | None = None, max_rows: int = 128):
+        weight = reader.linear(key)
+        return cls(weight.to(device) if device is not None else weight, max_rows)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.out_features
+
+    def _runner_for(self, rows: int):
+        if rows > self._plan.max_rows:
+            self._plan = LinearPlan(self.weight, rows)
+            self._runner = None
+        if self._runner is None:
+            self._runner = self._plan.bind(self._plan.allocate())
+        return self._runner
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        rows = check_input(x, self.weight).shape[0]
+        if out is None:
+            out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        return self._runner_for(max(rows, 1)).run(x, out)
+
+    def extra_repr(self) -> str:
+        w = self.weight
+        return f"in={w.in_features}, out={w.out_features}, K={w.K}, codebook={w.codebook}, bias={w.bias is not None}"
