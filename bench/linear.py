@@ -2,16 +2,12 @@
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import copies_for, run_info, time_graph  # noqa: E402
-
-from exl3moe import EXL3Weight  # noqa: E402
-from exl3moe.ops.linear import LinearPlan, LinearTiles  # noqa: E402
+from exl3moe import EXL3Weight
+from exl3moe.ops.linear import LinearPlan, LinearTiles
+from exl3moe.timing import copies_for, run_info, time_graph
 
 SHAPES = [(4096, 14336), (14336, 4096), (2048, 768), (768, 2048), (4096, 1408), (1408, 4096)]
 BITS = [2, 3, 4, 6, 8]

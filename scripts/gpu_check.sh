@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
-# One call on the H200: GPU tests, then the named benchmarks; JSON under $OUT, a short table last.
+# One call on the H200: GPU tests, then the named benchmarks ("linear.py --args", "moe.py"); JSON and logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_FIXTURES="${EXL3MOE_FIXTURES:-$PWD/.fixtures}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -x -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider ${GPU_TESTS:-tests} 2>&1 \
+    | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error" | tail -15
 fi
 for b in "$@"; do
-  name=$(echo "$b" | tr ' /-' '___')
-  timeout "${BENCH_TIMEOUT:-400}" python3 bench/$b --out "$OUT/$name.json" 2>&1 | tee "$OUT/$name.log" | tail -60
+  script=${b%% *}
+  name=${script%.py}
+  timeout "${BENCH_TIMEOUT:-400}" python3 bench/$b --out "$OUT/${name}_h200.json" 2>&1 | tee "$OUT/$name.log" \
+    | grep -v "^\s*$" | tail -40
 done

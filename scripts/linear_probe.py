@@ -6,8 +6,7 @@ import sys
 import torch
 import triton
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-from common import time_graph  # noqa: E402
+from exl3moe.timing import time_graph  # noqa: E402
 
 from exl3moe.kernels import trellis_matmul as tm  # noqa: E402
 

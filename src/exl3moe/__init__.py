@@ -5,7 +5,10 @@ from .errors import ContractError, FormatError
 from .format import EXL3Weight, ExpertSet, ResidualStage, decode, open_checkpoint, write_checkpoint
 from .ops.linear import LinearPlan, linear, linear_plan
 from .ops.modules import EXL3Linear
+from .ops.moe import MoEPlan, fused_experts, moe_plan
+from .ops.tables import MOE_ADDITIVE_ABI_VERSION
 
 __version__ = "0.1.0"
-__all__ = ["ContractError", "EXL3Linear", "EXL3Weight", "ExpertSet", "FormatError", "LinearPlan", "ResidualStage",
-           "decode", "linear", "linear_plan", "open_checkpoint", "reference", "write_checkpoint", "__version__"]
+__all__ = ["ContractError", "EXL3Linear", "EXL3Weight", "ExpertSet", "FormatError", "LinearPlan", "MOE_ADDITIVE_ABI_VERSION",
+           "MoEPlan", "ResidualStage", "decode", "fused_experts", "linear", "linear_plan", "moe_plan", "open_checkpoint",
+           "reference", "write_checkpoint", "__version__"]

@@ -145,15 +145,29 @@ def not_yet_implemented(name: str) -> int:
 
 
 def cmd_demo(args) -> int:
-    return not_yet_implemented("demo")
+    from .demo import run_demo
+    return 0 if run_demo(args.device, args.tokens) < 2e-3 else 1
 
 
 def cmd_verify(args) -> int:
-    return not_yet_implemented("verify")
+    from .demo import verify_checkpoint
+    try:
+        reader = open_checkpoint(args.path)
+    except FormatError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0 if verify_checkpoint(reader, args.device) < 2e-3 else 1
 
 
 def cmd_bench(args) -> int:
-    return not_yet_implemented("bench")
+    import torch
+    if not torch.cuda.is_available():
+        print("exl3moe bench: needs a CUDA GPU (the full benchmarks are bench/linear.py and bench/moe.py)",
+              file=sys.stderr)
+        return 2
+    from .timing import quick_linear_bench
+    quick_linear_bench(Console())
+    return 0
 
 
 def cmd_quantize(args) -> int:
@@ -168,11 +182,17 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--width", type=int, default=None,
                          help="table width in columns (default: the terminal's, 160 when not a terminal)")
     inspect.set_defaults(func=cmd_inspect)
-    for name, func, text in (("demo", cmd_demo, "run a small MoE layer end to end"),
-                             ("verify", cmd_verify, "check kernels against the float64 oracle"),
-                             ("bench", cmd_bench, "measure kernel speed"),
-                             ("quantize", cmd_quantize, "quantize weights to EXL3")):
-        sub.add_parser(name, help=text).set_defaults(func=func)
+    demo = sub.add_parser("demo", help="run a mixed-K MoE layer and a linear on this machine, check against float64")
+    demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    demo.add_argument("--tokens", type=int, default=9)
+    demo.set_defaults(func=cmd_demo)
+    verify = sub.add_parser("verify", help="run every layer of a checkpoint through the kernels, check vs float64")
+    verify.add_argument("path", help="checkpoint directory")
+    verify.add_argument("--device", default=None)
+    verify.set_defaults(func=cmd_verify)
+    sub.add_parser("bench", help="quick linear timing on this GPU vs fp16 (full: bench/*.py)").set_defaults(
+        func=cmd_bench)
+    sub.add_parser("quantize", help="quantize weights to EXL3 (not available yet)").set_defaults(func=cmd_quantize)
     return parser
 
 

@@ -1,0 +1,110 @@
+"""Benchmark the fused EXL3 MoE layer on a GPU against the same layer in bf16 through torch._grouped_mm."""
+
+import argparse
+import json
+
+import torch
+
+from exl3moe import EXL3Weight, ExpertSet
+from exl3moe.ops.moe import moe_plan
+from exl3moe.timing import run_info, time_graph
+
+SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
+LAYERS = {2: [2], 3: [3], 4: [4], 6: [6], "mixed-k3k4": [3, 4], "mixed-k2k8": [2, 3, 4, 5, 6, 7, 8]}
+TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
+CALLS = 4  # distinct routings per timed graph, so a replay does not find the previous call's experts in L2
+
+
+def random_weight(k, n, K, codebook, gen):
+    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, int(16 * K)), dtype=torch.int16, device="cuda",
+                            generator=gen)
+    suh = (torch.rand(k, device="cuda", generator=gen) + 0.5).half() / 32
+    svh = (torch.rand(n, device="cuda", generator=gen) + 0.5).half()
+    return EXL3Weight(trellis, suh, svh, codebook)
+
+
+def random_layer(hidden, inter, E, Ks, codebook, gen):
+    K_of = [Ks[e % len(Ks)] for e in range(E)]
+    proj = lambda k, n: [random_weight(k, n, K_of[e], codebook, gen) for e in range(E)]  # noqa: E731
+    return ExpertSet(proj(hidden, inter), proj(hidden, inter), proj(inter, hidden), "silu")
+
+
+def routings(T, E, top_k, gen):
+    out = []
+    for _ in range(CALLS):
+        logits = torch.randn(T, E, device="cuda", generator=gen)
+        w, ids = torch.softmax(logits, -1).topk(top_k, -1)
+        out.append((ids.to(torch.int32).contiguous(), (w / w.sum(-1, keepdim=True)).contiguous()))
+    return out
+
+
+def time_exl3(experts, T, top_k, gen):
+    plan = moe_plan(experts, T, top_k)
+    runner = plan.bind(plan.allocate())
+    x = (torch.randn(T, experts.hidden_size, device="cuda", generator=gen) * 0.3).half()
+    out = torch.empty(T, experts.hidden_size, device="cuda", dtype=torch.float16)
+    calls = [lambda r=r: runner.run(x, r[0], r[1], out) for r in routings(T, experts.num_experts, top_k, gen)]
+    return time_graph(calls, replays=10)
+
+
+def bf16_layer(hidden, inter, E, gen):
+    gate_up = torch.randn(E, hidden, 2 * inter, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    down = torch.randn(E, inter, hidden, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+    return gate_up, down
+
+
+def bf16_moe(x, ids, weights, gate_up, down, out):
+    """The same routed layer in bf16: sort slots by expert, grouped GEMMs, SiLU gate, weighted scatter-add."""
+    T, top_k = ids.shape
+    E = gate_up.shape[0]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    rows = x[order // top_k]
+    h = torch._grouped_mm(rows, gate_up, offs=offs)
+    g, u = h.chunk(2, dim=-1)
+    y = torch._grouped_mm(torch.nn.functional.silu(g) * u, down, offs=offs)
+    y = y * weights.reshape(-1)[order, None].to(y.dtype)
+    out.zero_()
+    out.index_add_(0, order // top_k, y.to(out.dtype))
+
+
+def time_bf16(layer, hidden, E, T, top_k, gen):
+    x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
+    out = torch.empty(T, hidden, device="cuda", dtype=torch.bfloat16)
+    calls = [lambda r=r: bf16_moe(x, r[0], r[1], layer[0], layer[1], out) for r in routings(T, E, top_k, gen)]
+    return time_graph(calls, replays=10)
+
+
+def main(args):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for shape in args.shapes:
+        hidden, inter, E, top_k = SHAPES[shape]
+        base = bf16_layer(hidden, inter, E, gen)
+        bf16 = {T: time_bf16(base, hidden, E, T, top_k, gen) for T in args.tokens}
+        del base
+        for label in args.layers:
+            key = int(label) if label.isdigit() else label
+            experts = random_layer(hidden, inter, E, LAYERS[key], args.codebook, gen)
+            for T in args.tokens:
+                us = time_exl3(experts, T, top_k, gen)
+                results.append(dict(shape=shape, K=key, codebook=args.codebook, tokens=T, us=round(us, 1),
+                                    bf16_us=round(bf16[T], 1)))
+                print(f"{shape:14s} K={str(key):10s} {args.codebook} T={T:5d} {us:9.1f} us  bf16 {bf16[T]:8.1f} us "
+                      f"ratio {us / bf16[T]:5.2f}", flush=True)
+            del experts
+    return results
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench/results/moe_h200.json")
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--layers", nargs="+", default=[str(k) for k in LAYERS])
+    ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
+    ap.add_argument("--codebook", default="mcg")
+    a = ap.parse_args()
+    res = main(a)
+    with open(a.out, "w") as fh:
+        json.dump({**run_info(), "results": res}, fh, indent=1)

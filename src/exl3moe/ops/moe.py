@@ -1,0 +1,293 @@
+"""Fused routed MoE over EXL3 experts: validate -> plan -> bind -> run. `run` allocates nothing and never syncs.
+
+Per chunk of tokens (chunk size fixed by the plan, so the launch sequence depends on T alone):
+
+    route_pack   (1 or 3 launches)  expert histogram, offsets, stable sort of slots, route-block tables
+    gate/up      (1 launch)         h_rot[pos] = rotated down input of act(gate(x), up(x)), fp16
+    down         (1 launch)         y[slot] = down(h), fp32, unweighted
+    shared       (2 launches, optional) the shared expert's gate/up and down over the chunk's tokens
+    combine      (1 launch)         out[t] = sum_j w[t, j] y[t*top_k + j] (+ shared[t]) in slot order
+
+Workspace: h_rot [capacity, I] fp16, y [capacity, H] fp32, the route tables, and the shared expert's
+[chunk tokens, I_s] fp16 and [chunk tokens, H] fp32, with capacity = chunk tokens x top_k slots: calls
+with more tokens are processed chunk by chunk, so scratch never grows with T.
+
+Bytes are deterministic and batch invariant for a plan: every row is computed independently of the
+others in its route block, and the combine sums a token's slots in order. The route-block size is part
+of the plan (chosen from max_tokens), so two plans for different max_tokens may choose different block
+sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from ..errors import ContractError
+from ..format.experts import ExpertSet
+from ..format.hadamard import hadamard_blockwise
+from ..kernels.moe_combine import moe_combine
+from ..kernels.moe_experts import moe_down, moe_gate_up
+from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
+from ..kernels.trellis_decode import interpreting
+from ..reference.moe import activate
+from .tables import PROJECTIONS, MoETables, build_tables, check_expert_set
+
+# Slots per chunk by default: 2048 top-8 tokens keep ~128 rows per expert at E = 128, with the Qwen3-30B
+# workspace (I = 768, H = 2048) at ~160 MB.
+DEFAULT_SLOT_CAPACITY = 16384
+# Route-block rows: 16 is the smallest MMA tile; above 32 the sm_90 build of gate/up spills (cuobjdump).
+MIN_BLOCK_M, MAX_BLOCK_M = 16, 32
+# Decode sub-block (k rows) on the GPU: [32, 128] keeps the word gather's registers near the linear kernel's.
+GPU_DECODE_K = 32
+# Decode sub-block under the interpreter: one 128-row block per k-chunk means fewest interpreted steps.
+INTERPRET_DECODE_K = 128
+INPUT_DTYPES = (torch.float16, torch.bfloat16)
+ID_DTYPES = (torch.int32, torch.int64)
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_ALIGN = 256
+_BASE_ALIGN = 16
+
+
+def route_block_rows(slots: int, num_experts: int) -> int:
+    """Route-block size from the average rows per expert: a power of two in [MIN_BLOCK_M, MAX_BLOCK_M]."""
+    return max(MIN_BLOCK_M, min(MAX_BLOCK_M, triton.next_power_of_2(max(1, -(-slots // num_experts)))))
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda or interpreting()
+
+
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ContractError(name, f"must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check_shared(shared, experts: ExpertSet) -> None:
+    if not isinstance(shared, ExpertSet):
+        raise ContractError("shared", f"must be an ExpertSet, got {type(shared).__name__}")
+    if shared.num_experts != 1:
+        raise ContractError("shared", f"must hold exactly one expert, got {shared.num_experts}")
+    if shared.hidden_size != experts.hidden_size or shared.device != experts.device:
+        raise ContractError("shared", f"hidden size {shared.hidden_size} on {shared.device} differs from the "
+                            f"routed experts' {experts.hidden_size} on {experts.device}")
+
+
+class MoEPlan:
+    """Validated experts, device tables, tile choices and workspace layout for calls of up to max_tokens."""
+
+    def __init__(self, experts: ExpertSet, max_tokens: int, top_k: int, shared: ExpertSet | None = None,
+                 out_dtype: torch.dtype | None = None, slot_capacity: int | None = None,
+                 block_m: int | None = None, decode_k: int | None = None):
+        _check_int(max_tokens, "max_tokens", 1)
+        _check_int(top_k, "top_k", 1)
+        if out_dtype is not None and out_dtype not in OUTPUT_DTYPES:
+            raise ContractError("out_dtype", f"must be float16, bfloat16 or float32, got {out_dtype}")
+        capacity = DEFAULT_SLOT_CAPACITY if slot_capacity is None else _check_int(slot_capacity, "slot_capacity", 1)
+        if capacity < top_k:
+            raise ContractError("slot_capacity", f"must hold one token's {top_k} slots, got {capacity}")
+        if block_m is not None and block_m not in (16, 32, 64, 128):
+            raise ContractError("block_m", f"must be 16, 32, 64 or 128, got {block_m!r}")
+        if decode_k is not None and decode_k not in (16, 32, 64, 128):
+            raise ContractError("decode_k", f"must be 16, 32, 64 or 128, got {decode_k!r}")
+        check_expert_set(experts)
+        if shared is not None:
+            _check_shared(shared, experts)
+            check_expert_set(shared, "shared")
+        # Everything is validated: only now do tables reach the device.
+        self.tables: MoETables = build_tables(experts)
+        self.shared_tables = build_tables(shared, "shared") if shared is not None else None
+        E = experts.num_experts
+        self.experts, self.shared = experts, shared
+        self.device = experts.device
+        self.max_tokens, self.top_k, self.out_dtype = max_tokens, top_k, out_dtype
+        self.chunk_tokens = min(max_tokens, capacity // top_k)
+        self.slot_capacity = self.chunk_tokens * top_k
+        self.block_m = block_m or route_block_rows(self.slot_capacity, E)
+        self.shared_block_m = route_block_rows(self.chunk_tokens, 1)
+        self.decode_k = decode_k or (INTERPRET_DECODE_K if interpreting() else GPU_DECODE_K)
+        H, I, S = experts.hidden_size, experts.intermediate_size, self.slot_capacity
+        max_blocks = route_pack_max_blocks(S, E, self.block_m)
+        self._layout = [
+            ("h_rot", S * I, torch.float16), ("y", S * H, torch.float32),
+            ("sorted_slots", S, torch.int32), ("block_expert", max_blocks, torch.int32),
+            ("block_start", max_blocks, torch.int32), ("counts", E + 1, torch.int32),
+            ("offsets", E + 2, torch.int32), ("num_blocks", 1, torch.int32),
+            ("route_workspace", route_pack_workspace_numel(S, E), torch.int32),
+        ]
+        if shared is not None:
+            self._layout += [("shared_h_rot", self.chunk_tokens * shared.intermediate_size, torch.float16),
+                             ("shared_y", self.chunk_tokens * H, torch.float32)]
+        self.workspace_bytes = sum(_padded_bytes(n, dt) for _, n, dt in self._layout)
+
+    def bind(self, workspace: torch.Tensor) -> "MoERunner":
+        """A runner whose scratch is views into `workspace` (1-D uint8, >= workspace_bytes, on the experts' device)."""
+        if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or workspace.dim() != 1:
+            raise ContractError("workspace", "must be a 1-D uint8 tensor")
+        if workspace.numel() < self.workspace_bytes:
+            raise ContractError("workspace", f"needs {self.workspace_bytes} bytes, got {workspace.numel()}")
+        if workspace.device != self.device:
+            raise ContractError("workspace", f"is on {workspace.device}, the experts are on {self.device}")
+        if workspace.data_ptr() % _BASE_ALIGN:
+            raise ContractError("workspace", f"must start at a {_BASE_ALIGN}-byte aligned address")
+        views, offset = {}, 0
+        for name, numel, dtype in self._layout:
+            size = numel * _itemsize(dtype)
+            views[name] = workspace[offset:offset + size].view(dtype)
+            offset += _padded_bytes(numel, dtype)
+        return MoERunner(self, views)
+
+    def allocate(self) -> torch.Tensor:
+        return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _padded_bytes(numel: int, dtype: torch.dtype) -> int:
+    return -(-numel * _itemsize(dtype) // _ALIGN) * _ALIGN
+
+
+class MoERunner:
+    """A plan bound to a workspace. `run` launches kernels only: no allocation, no host sync."""
+
+    def __init__(self, plan: MoEPlan, views: dict):
+        self.plan = plan
+        self._ws = views
+
+    def _check(self, hidden, topk_ids, topk_weights, out) -> int:
+        plan = self.plan
+        H = plan.tables.hidden_size
+        for name, t in (("hidden", hidden), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("out", out)):
+            if not isinstance(t, torch.Tensor):
+                raise ContractError(name, f"must be a tensor, got {type(t).__name__}")
+            if t.device != plan.device:
+                raise ContractError(name, f"is on {t.device}, the experts are on {plan.device}")
+        if hidden.dtype not in INPUT_DTYPES:
+            raise ContractError("hidden", f"dtype must be float16 or bfloat16, got {hidden.dtype}")
+        if hidden.dim() != 2 or hidden.shape[1] != H or hidden.stride(1) != 1:
+            raise ContractError("hidden", f"must be [tokens, {H}] with unit column stride, got shape "
+                                f"{list(hidden.shape)} strides {list(hidden.stride())}")
+        T = hidden.shape[0]
+        if T > plan.max_tokens:
+            raise ContractError("hidden", f"has {T} tokens, the plan was made for at most {plan.max_tokens}")
+        if topk_ids.dtype not in ID_DTYPES:
+            raise ContractError("topk_ids", f"dtype must be int32 or int64, got {topk_ids.dtype}")
+        if tuple(topk_ids.shape) != (T, plan.top_k) or not topk_ids.is_contiguous():
+            raise ContractError("topk_ids", f"must be contiguous [{T}, {plan.top_k}], got {list(topk_ids.shape)}")
+        if topk_weights.dtype not in WEIGHT_DTYPES:
+            raise ContractError("topk_weights", f"dtype must be float16, bfloat16 or float32, got {topk_weights.dtype}")
+        if tuple(topk_weights.shape) != (T, plan.top_k) or not topk_weights.is_contiguous():
+            raise ContractError("topk_weights", f"must be contiguous [{T}, {plan.top_k}], got "
+                                f"{list(topk_weights.shape)}")
+        allowed = OUTPUT_DTYPES if plan.out_dtype is None else (plan.out_dtype,)
+        if out.dtype not in allowed:
+            raise ContractError("out", f"dtype must be one of {allowed}, got {out.dtype}")
+        if tuple(out.shape) != (T, H) or out.stride(1) != 1:
+            raise ContractError("out", f"must be [{T}, {H}] with unit column stride, got shape {list(out.shape)}")
+        return T
+
+    def run(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+            out: torch.Tensor) -> torch.Tensor:
+        """out [T, H] <- sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) (+ shared(hidden[t]))."""
+        T = self._check(hidden, topk_ids, topk_weights, out)
+        if T == 0:
+            return out
+        plan = self.plan
+        if not use_triton(hidden):
+            out.copy_(moe_torch(hidden, plan, topk_ids, topk_weights))
+            return out
+        for t0 in range(0, T, plan.chunk_tokens):
+            t1 = min(T, t0 + plan.chunk_tokens)
+            self._run_chunk(hidden[t0:t1], topk_ids[t0:t1], topk_weights[t0:t1], out[t0:t1])
+        return out
+
+    def _run_chunk(self, hidden, topk_ids, topk_weights, out) -> None:
+        plan, ws, tables = self.plan, self._ws, self.plan.tables
+        rows, top_k = topk_ids.shape
+        E, slots = tables.num_experts, rows * top_k
+        max_blocks = route_pack_max_blocks(slots, E, plan.block_m)
+        block_expert, block_start = ws["block_expert"][:max_blocks], ws["block_start"][:max_blocks]
+        sorted_slots = ws["sorted_slots"][:slots]
+        route_pack(topk_ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert, block_start,
+                   ws["num_blocks"], ws["route_workspace"][:route_pack_workspace_numel(slots, E)], block_m=plan.block_m)
+        route = (block_expert, block_start, ws["offsets"], sorted_slots)
+        moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True, plan.block_m, plan.decode_k)
+        moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True, plan.block_m, plan.decode_k)
+        shared_y = None
+        if plan.shared_tables is not None:
+            unused = (ws["counts"],) * 4
+            blocks = triton.cdiv(rows, plan.shared_block_m)
+            moe_gate_up(hidden, ws["shared_h_rot"], unused, rows, 1, plan.shared_tables, blocks, False,
+                        plan.shared_block_m, plan.decode_k)
+            moe_down(ws["shared_h_rot"], ws["shared_y"], unused, rows, plan.shared_tables, blocks, False,
+                     plan.shared_block_m, plan.decode_k)
+            shared_y = ws["shared_y"]
+        moe_combine(topk_ids, topk_weights, ws["y"], shared_y, out, E)
+
+
+def _projection_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, proj: str, e: int) -> torch.Tensor:
+    """One projection of expert e in fp32, as the kernels compute it (rotated input rounded to fp16)."""
+    p = PROJECTIONS.index(proj)
+    w = getattr(experts, proj)[e]
+    inner = w.inner().float()
+    for s, stage in enumerate(experts.stages):
+        scale = float(tables.stage_scale[s, p, e])
+        if scale != 0.0:
+            inner = inner + scale * getattr(stage, proj)[e].inner().float()
+    xr = hadamard_blockwise(x32 * w.suh.float()).half().float()
+    y = hadamard_blockwise(xr @ inner) * w.svh.float()
+    if proj == "down" and tables.bias_down is not None:
+        y = y + tables.bias_down[e].float()
+    elif proj != "down" and tables.bias_gate_up is not None:
+        y = y + tables.bias_gate_up[p, e].float()
+    return y
+
+
+def _expert_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, e: int) -> torch.Tensor:
+    up = _projection_torch(x32, experts, tables, "up", e)
+    gate = _projection_torch(x32, experts, tables, "gate", e) if experts.gated else None
+    h = activate(gate, up, experts.activation, experts.limit)
+    return _projection_torch(h, experts, tables, "down", e)
+
+
+def moe_torch(hidden: torch.Tensor, plan: MoEPlan, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The torch path (CPU without the interpreter): the kernels' semantics in fp32, slot-order combine."""
+    experts, tables = plan.experts, plan.tables
+    E = tables.num_experts
+    x32 = hidden.float()
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < E)
+    y = torch.zeros(*ids.shape, tables.hidden_size, dtype=torch.float32, device=hidden.device)
+    for e in torch.unique(ids[valid]).tolist():
+        tokens, slots = torch.nonzero(ids == e, as_tuple=True)
+        y[tokens, slots] = _expert_torch(x32[tokens], experts, tables, e)
+    weights = torch.where(valid, topk_weights.float(), torch.zeros((), device=hidden.device))
+    acc = torch.zeros(hidden.shape[0], tables.hidden_size, dtype=torch.float32, device=hidden.device)
+    for j in range(ids.shape[1]):
+        acc += weights[:, j, None] * y[:, j]
+    if plan.shared is not None:
+        acc += _expert_torch(x32, plan.shared, plan.shared_tables, 0)
+    return acc
+
+
+def moe_plan(experts: ExpertSet, max_tokens: int, top_k: int, shared: ExpertSet | None = None,
+             out_dtype: torch.dtype | None = None, slot_capacity: int | None = None,
+             block_m: int | None = None, decode_k: int | None = None) -> MoEPlan:
+    """Validate everything and plan calls of up to `max_tokens` tokens routed to `top_k` experts each."""
+    return MoEPlan(experts, max_tokens, top_k, shared, out_dtype, slot_capacity, block_m, decode_k)
+
+
+def fused_experts(hidden: torch.Tensor, experts: ExpertSet, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  shared: ExpertSet | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Plan, bind a fresh workspace and run once; the output has hidden's dtype unless out_dtype says."""
+    for name, t in (("hidden", hidden), ("topk_ids", topk_ids)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ContractError(name, f"must be a 2-D tensor, got {getattr(t, 'shape', type(t).__name__)}")
+    dtype = out_dtype or hidden.dtype
+    plan = moe_plan(experts, max(1, hidden.shape[0]), max(1, topk_ids.shape[1]), shared, dtype)
+    out = torch.empty(hidden.shape[0], experts.hidden_size, dtype=dtype, device=hidden.device)
+    return plan.bind(plan.allocate()).run(hidden, topk_ids, topk_weights, out)

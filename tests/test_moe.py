@@ -1,0 +1,297 @@
+"""Fused routed MoE (ops.moe) against the float64 oracle, under the Triton interpreter at small shapes."""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from exl3moe import ContractError, EXL3Weight, ExpertSet, ResidualStage
+from exl3moe.ops import MOE_ADDITIVE_ABI_VERSION, fused_experts, moe_plan
+from exl3moe.reference import moe
+from helpers import random_experts, random_stage, random_weight
+
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 6e-3, torch.float32: 2e-3}
+MIXED_K = [2, 3, 4, 5, 6, 8, 2.5, 1.5]
+MIXED_CODEBOOK = ["3inst", "mcg", "mul1", "3inst", "mcg", "mul1", "mul1", "mul1"]
+OTHER_K = [1, 7, 3.5, 3, 2, 8, 2.5, 1.5]
+OTHER_CODEBOOK = ["mcg", "3inst", "mul1", "mul1", "mcg", "3inst", "mul1", "mul1"]
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under TRITON_INTERPRET=1 (conftest sets it where no GPU is present)")
+
+
+def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.to(torch.float64)
+    return float((actual.to(torch.float64) - expected).norm() / expected.norm())
+
+
+def routing(T: int, top_k: int, E: int, seed: int, dtype=torch.int64, weight_dtype=torch.float32):
+    """Distinct experts per token (like a real router) and positive weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(T)]).to(dtype)
+    weights = torch.rand(T, top_k, generator=g) + 0.1
+    return ids, (weights / weights.sum(-1, keepdim=True)).to(weight_dtype)
+
+
+def inputs(T: int, H: int, seed: int, dtype=torch.float16) -> torch.Tensor:
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def run(plan, hidden, ids, weights, out_dtype=torch.float16):
+    out = torch.empty(hidden.shape[0], plan.tables.hidden_size, dtype=out_dtype)
+    return plan.bind(plan.allocate()).run(hidden, ids, weights, out)
+
+
+def check(out, hidden, experts, ids, weights, shared=None):
+    err = rel_l2(out, moe(hidden, experts, ids, weights, shared))
+    assert err < TOLERANCE[out.dtype], err
+
+
+def test_abi_version():
+    assert MOE_ADDITIVE_ABI_VERSION == 1
+
+
+def test_mixed_widths_and_codebooks_in_one_layer():
+    g = torch.Generator().manual_seed(1)
+    experts = random_experts(8, 256, 256, K=MIXED_K, codebook=MIXED_CODEBOOK, generator=g)
+    hidden = inputs(40, 256, 2)
+    ids, weights = routing(40, 4, 8, 3)
+    check(fused_experts(hidden, experts, ids, weights), hidden, experts, ids, weights)
+
+
+@pytest.mark.parametrize("activation,limit", [("silu", None), ("silu", 8.0), ("gelu", None), ("gelu", 0.5),
+                                              ("relu2", None), ("relu2", 6.0)])
+def test_activations_and_limit(activation, limit):
+    g = torch.Generator().manual_seed(4)
+    experts = random_experts(4, 128, 128, K=[3, 4, 2, 2.5], codebook=["mcg", "3inst", "mul1", "mul1"],
+                             activation=activation, limit=limit, generator=g)
+    hidden = inputs(9, 128, 5)
+    ids, weights = routing(9, 2, 4, 6)
+    check(fused_experts(hidden, experts, ids, weights), hidden, experts, ids, weights)
+
+
+@pytest.mark.parametrize("top_k,T", [(1, 17), (2, 9), (3, 5), (8, 6)])
+def test_top_k(top_k, T):
+    g = torch.Generator().manual_seed(7 + top_k)
+    experts = random_experts(8, 128, 128, K=OTHER_K, codebook=OTHER_CODEBOOK, generator=g)
+    hidden = inputs(T, 128, 8)
+    ids, weights = routing(T, top_k, 8, 9, dtype=torch.int32)
+    check(fused_experts(hidden, experts, ids, weights), hidden, experts, ids, weights)
+
+
+def test_shared_expert_with_its_own_width_and_biases():
+    g = torch.Generator().manual_seed(10)
+    experts = random_experts(4, 128, 128, K=[2, 4, 3, 5], codebook=["mcg", "mul1", "3inst", "mcg"], bias=True,
+                             generator=g)
+    shared = random_experts(1, 128, 256, K=3, codebook="mul1", activation="gelu", limit=1.5, generator=g,
+                            name="shared")
+    hidden = inputs(11, 128, 11)
+    ids, weights = routing(11, 2, 4, 12)
+    check(fused_experts(hidden, experts, ids, weights, shared=shared), hidden, experts, ids, weights, shared)
+
+
+def test_residual_stages_with_zero_scales_skipped():
+    g = torch.Generator().manual_seed(13)
+    experts = random_experts(4, 128, 128, K=[2, 3, 2, 4], codebook=["3inst", "mcg", "mul1", "3inst"], generator=g)
+    scales = torch.rand(4, 3, generator=g) * 0.3
+    scales[1] = 0.0
+    scales[2, 1] = 0.0
+    stage = random_stage(experts, scales, K=2, codebook="mcg", generator=g)
+    stage.down[3] = None
+    second = random_stage(experts, torch.rand(4, 3, generator=g) * 0.1, K=3, codebook="mul1", generator=g)
+    experts.stages = [stage, second]
+    hidden = inputs(10, 128, 14)
+    ids, weights = routing(10, 2, 4, 15)
+    out = fused_experts(hidden, experts, ids, weights)
+    check(out, hidden, experts, ids, weights)
+    experts.stages = []
+    assert rel_l2(out, moe(hidden, experts, ids, weights)) > 1e-2
+
+
+def test_experts_never_selected_and_invalid_ids_skipped():
+    g = torch.Generator().manual_seed(16)
+    experts = random_experts(8, 128, 128, K=MIXED_K, codebook=MIXED_CODEBOOK, generator=g)
+    hidden = inputs(12, 128, 17)
+    ids = torch.tensor([[1, 5, 8, -1]] * 6 + [[5, 1, -3, 100]] * 6, dtype=torch.int64)
+    weights = torch.rand(12, 4, generator=g)
+    weights[ids >= 8] = float("nan")
+    weights[ids < 0] = float("inf")
+    out = fused_experts(hidden, experts, ids, weights)
+    assert torch.isfinite(out).all()
+    check(out, hidden, experts, ids, weights)
+    no_valid = torch.tensor([[8, -1, 9, -2]] * 12)
+    assert torch.equal(fused_experts(hidden, experts, no_valid, weights), torch.zeros(12, 128, dtype=torch.float16))
+
+
+def test_every_token_on_one_expert_is_chunked_and_chunking_keeps_bytes():
+    g = torch.Generator().manual_seed(18)
+    experts = random_experts(4, 128, 128, K=[4, 2, 3, 2.5], codebook=["mcg", "3inst", "3inst", "mul1"], generator=g)
+    T, top_k = 40, 2
+    hidden = inputs(T, 128, 19)
+    ids = torch.stack([torch.full((T,), 2), torch.randint(0, 2, (T,), generator=g)], 1)
+    weights = torch.rand(T, top_k, generator=g)
+    chunked = moe_plan(experts, T, top_k, slot_capacity=24, block_m=16)
+    assert chunked.slot_capacity == 24 and chunked.chunk_tokens == 12
+    out = run(chunked, hidden, ids, weights)
+    check(out, hidden, experts, ids, weights)
+    whole = run(moe_plan(experts, T, top_k, block_m=16), hidden, ids, weights)
+    assert torch.equal(out.view(torch.int16), whole.view(torch.int16))
+
+
+def test_deterministic_and_batch_invariant():
+    g = torch.Generator().manual_seed(20)
+    experts = random_experts(8, 128, 128, K=MIXED_K, codebook=MIXED_CODEBOOK, generator=g)
+    shared = random_experts(1, 128, 128, K=4, codebook="mcg", generator=g, name="shared")
+    hidden = inputs(33, 128, 21)
+    ids, weights = routing(33, 4, 8, 22)
+    plan = moe_plan(experts, 33, 4, shared=shared)
+    runner = plan.bind(plan.allocate())
+    outs = [runner.run(hidden, ids, weights, torch.empty(33, 128, dtype=torch.float16)) for _ in range(2)]
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    alone = runner.run(hidden[:1], ids[:1], weights[:1], torch.empty(1, 128, dtype=torch.float16))
+    assert torch.equal(alone.view(torch.int16), outs[0][:1].view(torch.int16))
+    check(outs[0], hidden, experts, ids, weights, shared)
+
+
+@pytest.mark.parametrize("hidden_dtype,weight_dtype,out_dtype", [
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16, torch.float32),
+    (torch.bfloat16, torch.float32, torch.float16)])
+def test_dtypes(hidden_dtype, weight_dtype, out_dtype):
+    g = torch.Generator().manual_seed(23)
+    experts = random_experts(4, 128, 128, K=[3, 4, 2, 6], codebook=["mcg", "3inst", "mul1", "mul1"], generator=g)
+    hidden = inputs(7, 128, 24, hidden_dtype)
+    ids, weights = routing(7, 2, 4, 25, dtype=torch.int32, weight_dtype=weight_dtype)
+    out = fused_experts(hidden, experts, ids, weights, out_dtype=out_dtype)
+    assert out.dtype == out_dtype
+    check(out, hidden, experts, ids, weights)
+
+
+@pytest.mark.parametrize("decode_k,block_m", [(16, 32), (32, 16), (64, 64)])
+def test_decode_sub_blocks_and_route_block_sizes(decode_k, block_m):
+    g = torch.Generator().manual_seed(26)
+    experts = random_experts(4, 256, 128, K=[2, 8, 2.5, 4], codebook=["3inst", "mcg", "mul1", "mul1"], generator=g)
+    hidden = inputs(6, 256, 27)
+    ids, weights = routing(6, 2, 4, 28)
+    plan = moe_plan(experts, 6, 2, decode_k=decode_k, block_m=block_m)
+    check(run(plan, hidden, ids, weights), hidden, experts, ids, weights)
+
+
+def test_torch_path_matches_oracle(monkeypatch):
+    g = torch.Generator().manual_seed(29)
+    experts = random_experts(4, 128, 128, K=[2, 3, 4, 2.5], codebook=["3inst", "mcg", "mcg", "mul1"], bias=True,
+                             generator=g)
+    experts.stages = [random_stage(experts, torch.rand(4, 3, generator=g) * 0.2, generator=g)]
+    shared = random_experts(1, 128, 128, K=3, generator=g, name="shared")
+    hidden = inputs(9, 128, 30)
+    ids, weights = routing(9, 2, 4, 31)
+    ids[0, 1] = 4
+    triton_out = fused_experts(hidden, experts, ids, weights, shared=shared)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    torch_out = fused_experts(hidden, experts, ids, weights, shared=shared)
+    check(torch_out, hidden, experts, ids, weights, shared)
+    assert rel_l2(torch_out, triton_out) < 1e-3
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(E=st.integers(1, 6), top_k=st.integers(1, 4), T=st.integers(1, 12), hidden=st.sampled_from([128, 256]),
+       activation=st.sampled_from(["silu", "gelu", "relu2"]), seed=st.integers(0, 2**16))
+def test_random_layers_match_oracle(E, top_k, T, hidden, activation, seed):
+    g = torch.Generator().manual_seed(seed)
+    pick = torch.randint(0, len(OTHER_K), (E,), generator=g).tolist()
+    experts = random_experts(E, hidden, 128, K=[OTHER_K[i] for i in pick], codebook=[OTHER_CODEBOOK[i] for i in pick],
+                             activation=activation, generator=g)
+    hidden_states = inputs(T, hidden, seed)
+    ids = torch.randint(-1, E + 1, (T, top_k), generator=g)
+    weights = torch.rand(T, top_k, generator=g)
+    out = fused_experts(hidden_states, experts, ids, weights, out_dtype=torch.float32)
+    ref = moe(hidden_states, experts, ids, weights)
+    if ref.norm() == 0:
+        assert torch.equal(out, torch.zeros_like(out))
+    else:
+        assert rel_l2(out, ref) < 2e-3
+
+
+def _fixture_experts(tensors: dict, meta: dict) -> ExpertSet:
+    def proj(e: int, key: str, scale_in: str, scale_out: str) -> EXL3Weight:
+        return EXL3Weight(tensors[f"e{e}.{key}"], tensors[f"e{e}.{scale_in}"], tensors[f"e{e}.{scale_out}"],
+                          meta["cb"], name=f"e{e}.{key}")
+
+    E = int(meta["E"])
+    return ExpertSet(*[[proj(e, k, i, o) for e in range(E)] for k, i, o in (("g", "gs", "gv"), ("u", "us", "uv"),
+                                                                            ("d", "ds", "dv"))], meta["act"])
+
+
+@pytest.mark.parametrize("name", ["exllamav3_moe_mcg_k4", "exllamav3_moe_mul1_k3"])
+def test_exllamav3_fixture(fixtures_dir, name):
+    path = os.path.join(fixtures_dir, name + ".safetensors")
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    t = load_file(path)
+    experts = _fixture_experts(t, meta)
+    out = fused_experts(t["x"], experts, t["sel"], t["w"])
+    check(out, t["x"], experts, t["sel"], t["w"])
+    assert rel_l2(out, t["out"]) < 2e-3
+
+
+def test_zero_tokens():
+    experts = random_experts(2, 128, 128, K=2)
+    out = fused_experts(torch.zeros(0, 128, dtype=torch.float16), experts, torch.zeros(0, 2, dtype=torch.int64),
+                        torch.zeros(0, 2))
+    assert out.shape == (0, 128)
+
+
+def test_plan_contract():
+    g = torch.Generator().manual_seed(32)
+    experts = random_experts(2, 128, 128, K=2, generator=g)
+    for kwargs, name in [({"max_tokens": 0}, "max_tokens"), ({"top_k": 0}, "top_k"),
+                         ({"slot_capacity": 1}, "slot_capacity"), ({"block_m": 24}, "block_m"),
+                         ({"decode_k": 8}, "decode_k"), ({"out_dtype": torch.int8}, "out_dtype")]:
+        args = {"max_tokens": 4, "top_k": 2, **kwargs}
+        with pytest.raises(ContractError) as info:
+            moe_plan(experts, **args)
+        assert info.value.name == name
+    with pytest.raises(ContractError) as info:
+        moe_plan("experts", 4, 2)
+    assert info.value.name == "experts"
+    with pytest.raises(ContractError) as info:
+        moe_plan(experts, 4, 2, shared=random_experts(2, 128, 128, K=2, name="shared"))
+    assert info.value.name == "shared"
+    strided = random_weight(128, 128, 2, generator=g)
+    strided.suh = torch.zeros(256, dtype=torch.float16)[::2]
+    bad = ExpertSet([strided, experts.gate[1]], experts.up, experts.down)
+    with pytest.raises(ContractError, match="contiguous") as info:
+        moe_plan(bad, 4, 2)
+    assert info.value.name == "experts.gate[0].suh"
+    other = random_weight(128, 128, 2, generator=g)
+    experts.stages = [ResidualStage(None, [other, None], None, torch.ones(2, 3))]
+    with pytest.raises(ContractError, match="share") as info:
+        moe_plan(experts, 4, 2)
+    assert info.value.name == "experts.stages[0].up[0]"
+
+
+def test_run_contract():
+    g = torch.Generator().manual_seed(33)
+    experts = random_experts(2, 128, 128, K=2, generator=g)
+    plan = moe_plan(experts, 4, 2, out_dtype=torch.float16)
+    runner = plan.bind(plan.allocate())
+    x, ids, w = inputs(3, 128, 34), torch.zeros(3, 2, dtype=torch.int64), torch.ones(3, 2)
+    out = torch.empty(3, 128, dtype=torch.float16)
+    cases = [
+        ((x.float(), ids, w, out), "hidden"), ((inputs(5, 128, 1), torch.zeros(5, 2, dtype=torch.int64),
+                                                torch.ones(5, 2), torch.empty(5, 128).half()), "hidden"),
+        ((x, ids.float(), w, out), "topk_ids"), ((x, ids[:, :1], w, out), "topk_ids"),
+        ((x, torch.zeros(2, 3, dtype=torch.int64).t(), w, out), "topk_ids"),
+        ((x, ids, w.double(), out), "topk_weights"), ((x, ids, w[:2], out), "topk_weights"),
+        ((x, ids, w, out.float()), "out"), ((x, ids, w, out[:2]), "out"),
+    ]
+    for args, name in cases:
+        with pytest.raises(ContractError) as info:
+            runner.run(*args)
+        assert info.value.name == name
+    for workspace in (torch.empty(plan.workspace_bytes - 1, dtype=torch.uint8), torch.empty(10, dtype=torch.int32)):
+        with pytest.raises(ContractError) as info:
+            plan.bind(workspace)
+        assert info.value.name == "workspace"

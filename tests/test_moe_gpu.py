@@ -1,0 +1,116 @@
+"""Full-shape fused MoE on a CUDA GPU: accuracy vs float64, graph capture and replay, batch invariance."""
+
+import pytest
+import torch
+
+from exl3moe import EXL3Weight, ExpertSet
+from exl3moe.ops import fused_experts, moe_plan
+from exl3moe.reference import moe
+
+pytestmark = pytest.mark.gpu
+
+QWEN3 = dict(hidden=2048, inter=768, experts=128, top_k=8)
+
+
+def random_weight(k, n, K, codebook, g, name):
+    trellis = torch.randint(-32768, 32768, (k // 16, n // 16, int(16 * K)), dtype=torch.int32, device="cuda",
+                            generator=g).to(torch.int16)
+    sign = lambda m: torch.where(torch.rand(m, device="cuda", generator=g) < 0.5, -1.0, 1.0)  # noqa: E731
+    suh = (sign(k) * (0.5 + torch.rand(k, device="cuda", generator=g))).half()
+    svh = (sign(n) * (0.5 + torch.rand(n, device="cuda", generator=g))).half()
+    return EXL3Weight(trellis, suh, svh, codebook, name=name)
+
+
+def random_experts(E, H, I, Ks, codebooks, seed, activation="silu", name="experts"):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda p, k, n: [random_weight(k, n, Ks[e % len(Ks)], codebooks[e % len(codebooks)], g,  # noqa: E731
+                                          f"{name}.{p}[{e}]") for e in range(E)]
+    gate = make("gate", H, I) if activation != "relu2" else None
+    return ExpertSet(gate, make("up", H, I), make("down", I, H), activation, name=name)
+
+
+@pytest.fixture(scope="module")
+def qwen3_layer():
+    """Qwen3-30B-A3B MoE shape with a mixed layer: K 3/4/2/6 and all three codebooks."""
+    return random_experts(QWEN3["experts"], QWEN3["hidden"], QWEN3["inter"], [4, 3, 2, 6, 2.5],
+                          ["mcg", "3inst", "mul1", "mcg", "mul1"], seed=0)
+
+
+def routing(T, E, top_k, seed):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    ids = torch.rand(T, E, device="cuda", generator=g).argsort(-1)[:, :top_k].contiguous()
+    weights = torch.softmax(torch.randn(T, top_k, device="cuda", generator=g), -1)
+    return ids, weights
+
+
+def rel_l2(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def bits(t):
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.int32)
+
+
+@pytest.mark.parametrize("T", [1, 4, 64, 300])
+def test_qwen3_shape_matches_float64(qwen3_layer, T):
+    x = torch.randn(T, QWEN3["hidden"], device="cuda").half()
+    ids, weights = routing(T, QWEN3["experts"], QWEN3["top_k"], T)
+    ref = moe(x, qwen3_layer, ids, weights)
+    for dtype, limit in ((torch.float16, 2e-3), (torch.bfloat16, 6e-3), (torch.float32, 2e-3)):
+        out = fused_experts(x, qwen3_layer, ids, weights, out_dtype=dtype)
+        assert out.dtype == dtype and rel_l2(out, ref) < limit, (dtype, rel_l2(out, ref))
+
+
+def test_many_tokens_chunked_with_shared_expert(qwen3_layer):
+    """1024 tokens: the many-slot route pack, two workspace chunks, and a shared expert of its own width."""
+    T = 1024
+    shared = random_experts(1, QWEN3["hidden"], 1024, [4], ["mcg"], seed=5, name="shared")
+    x = torch.randn(T, QWEN3["hidden"], device="cuda").bfloat16()
+    ids, weights = routing(T, QWEN3["experts"], QWEN3["top_k"], 6)
+    ids[::7, 3] = -1
+    plan = moe_plan(qwen3_layer, T, QWEN3["top_k"], shared=shared, slot_capacity=4096)
+    assert plan.chunk_tokens == 512
+    out = torch.empty(T, QWEN3["hidden"], device="cuda", dtype=torch.bfloat16)
+    plan.bind(plan.allocate()).run(x, ids, weights, out)
+    assert rel_l2(out, moe(x, qwen3_layer, ids, weights, shared)) < 6e-3
+
+
+def test_graph_capture_and_replay_with_new_ids(qwen3_layer):
+    T, top_k, H = 64, QWEN3["top_k"], QWEN3["hidden"]
+    plan = moe_plan(qwen3_layer, T, top_k, out_dtype=torch.float16)
+    runner = plan.bind(plan.allocate())
+    x = torch.randn(T, H, device="cuda").half()
+    ids, weights = routing(T, QWEN3["experts"], top_k, 1)
+    out = torch.empty(T, H, device="cuda", dtype=torch.float16)
+    runner.run(x, ids, weights, out)
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runner.run(x, ids, weights, out)
+    assert torch.cuda.memory_allocated() == allocated
+    for seed in (2, 3):
+        new_ids, new_weights = routing(T, QWEN3["experts"], top_k, seed)
+        new_x = torch.randn(T, H, device="cuda").half()
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        graph.replay()
+        eager = torch.empty_like(out)
+        runner.run(new_x, new_ids, new_weights, eager)
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), bits(eager))
+
+
+def test_deterministic_and_batch_invariant_at_full_shape(qwen3_layer):
+    T, top_k, H = 300, QWEN3["top_k"], QWEN3["hidden"]
+    plan = moe_plan(qwen3_layer, T, top_k)
+    runner = plan.bind(plan.allocate())
+    x = torch.randn(T, H, device="cuda").half()
+    ids, weights = routing(T, QWEN3["experts"], top_k, 4)
+    run = lambda n: runner.run(x[:n], ids[:n], weights[:n],  # noqa: E731
+                               torch.empty(n, H, device="cuda", dtype=torch.float16))
+    full = run(T)
+    assert torch.equal(bits(full), bits(run(T)))
+    for n in (1, 2, 17, 64, 299):
+        assert torch.equal(bits(run(n)), bits(full[:n])), n
