@@ -33,7 +33,7 @@ def time_exl3(k, n, K, codebook, rows, gen, tiles=None):
     plan = LinearPlan(weights[0], rows, tiles)
     workspace = plan.allocate()
     runners = [LinearPlan(w, rows, tiles).bind(workspace) for w in weights]
-    return time_graph([lambda r=r: r.run(x, out) for r in runners]), probe.trellis_bytes
+    return time_graph([lambda r=r: r.run(x, out) for r in runners], replays=10), probe.trellis_bytes
 
 
 def time_fp16(k, n, rows, gen):
@@ -41,7 +41,7 @@ def time_fp16(k, n, rows, gen):
     ws = [torch.randn(k, n, device="cuda", dtype=torch.float16, generator=gen) for _ in range(copies)]
     x = torch.randn(rows, k, device="cuda", dtype=torch.float16, generator=gen)
     out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
-    return time_graph([lambda w=w: torch.matmul(x, w, out=out) for w in ws])
+    return time_graph([lambda w=w: torch.matmul(x, w, out=out) for w in ws], replays=10)
 
 
 def tune(args):
@@ -73,9 +73,15 @@ def full(args):
                     us, tb = time_exl3(k, n, K, cb, rows, gen)
                     results.append(dict(k=k, n=n, K=K, codebook=cb, rows=rows, us=round(us, 2),
                                         fp16_us=round(fp16[rows], 2), trellis_GBps=round(tb / us / 1e3, 1)))
+                    save(args.out, results)
                     print(f"{k}x{n} K{K} {cb:5s} rows {rows:4d} {us:8.1f} us fp16 {fp16[rows]:7.1f} "
                           f"ratio {us / fp16[rows]:5.2f}", flush=True)
     return results
+
+
+def save(path, results):
+    with open(path, "w") as fh:
+        json.dump({**run_info(), "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":
@@ -83,6 +89,4 @@ if __name__ == "__main__":
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default="bench/results/linear_h200.json")
     a = ap.parse_args()
-    res = tune(a) if a.tune else full(a)
-    with open(a.out, "w") as fh:
-        json.dump({**run_info(), "results": res}, fh, indent=1)
+    save(a.out, tune(a) if a.tune else full(a))

@@ -59,7 +59,8 @@ def bf16_moe(x, ids, weights, gate_up, down, out):
     E = gate_up.shape[0]
     flat = ids.reshape(-1).long()
     order = torch.argsort(flat, stable=True)
-    offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)
     rows = x[order // top_k]
     h = torch._grouped_mm(rows, gate_up, offs=offs)
     g, u = h.chunk(2, dim=-1)

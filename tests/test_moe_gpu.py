@@ -53,9 +53,10 @@ def bits(t):
 
 @pytest.mark.parametrize("T", [1, 4, 64, 300])
 def test_qwen3_shape_matches_float64(qwen3_layer, T):
-    x = torch.randn(T, QWEN3["hidden"], device="cuda").half()
+    x = (torch.randn(T, QWEN3["hidden"], device="cuda") / 32).half()
     ids, weights = routing(T, QWEN3["experts"], QWEN3["top_k"], T)
     ref = moe(x, qwen3_layer, ids, weights)
+    assert ref.abs().max() < 6e4, "test data must stay inside the fp16 range"
     for dtype, limit in ((torch.float16, 2e-3), (torch.bfloat16, 6e-3), (torch.float32, 2e-3)):
         out = fused_experts(x, qwen3_layer, ids, weights, out_dtype=dtype)
         assert out.dtype == dtype and rel_l2(out, ref) < limit, (dtype, rel_l2(out, ref))
@@ -65,7 +66,7 @@ def test_many_tokens_chunked_with_shared_expert(qwen3_layer):
     """1024 tokens: the many-slot route pack, two workspace chunks, and a shared expert of its own width."""
     T = 1024
     shared = random_experts(1, QWEN3["hidden"], 1024, [4], ["mcg"], seed=5, name="shared")
-    x = torch.randn(T, QWEN3["hidden"], device="cuda").bfloat16()
+    x = (torch.randn(T, QWEN3["hidden"], device="cuda") / 32).bfloat16()
     ids, weights = routing(T, QWEN3["experts"], QWEN3["top_k"], 6)
     ids[::7, 3] = -1
     plan = moe_plan(qwen3_layer, T, QWEN3["top_k"], shared=shared, slot_capacity=4096)
@@ -79,11 +80,14 @@ def test_graph_capture_and_replay_with_new_ids(qwen3_layer):
     T, top_k, H = 64, QWEN3["top_k"], QWEN3["hidden"]
     plan = moe_plan(qwen3_layer, T, top_k, out_dtype=torch.float16)
     runner = plan.bind(plan.allocate())
-    x = torch.randn(T, H, device="cuda").half()
+    x = (torch.randn(T, H, device="cuda") / 32).half()
     ids, weights = routing(T, QWEN3["experts"], top_k, 1)
     out = torch.empty(T, H, device="cuda", dtype=torch.float16)
     runner.run(x, ids, weights, out)
     torch.cuda.synchronize()
+    warm_up = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(warm_up):
+        out.add_(0)
     allocated = torch.cuda.memory_allocated()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -91,7 +95,7 @@ def test_graph_capture_and_replay_with_new_ids(qwen3_layer):
     assert torch.cuda.memory_allocated() == allocated
     for seed in (2, 3):
         new_ids, new_weights = routing(T, QWEN3["experts"], top_k, seed)
-        new_x = torch.randn(T, H, device="cuda").half()
+        new_x = (torch.randn(T, H, device="cuda") / 32).half()
         x.copy_(new_x)
         ids.copy_(new_ids)
         weights.copy_(new_weights)
@@ -106,7 +110,7 @@ def test_deterministic_and_batch_invariant_at_full_shape(qwen3_layer):
     T, top_k, H = 300, QWEN3["top_k"], QWEN3["hidden"]
     plan = moe_plan(qwen3_layer, T, top_k)
     runner = plan.bind(plan.allocate())
-    x = torch.randn(T, H, device="cuda").half()
+    x = (torch.randn(T, H, device="cuda") / 32).half()
     ids, weights = routing(T, QWEN3["experts"], top_k, 4)
     run = lambda n: runner.run(x[:n], ids[:n], weights[:n],  # noqa: E731
                                torch.empty(n, H, device="cuda", dtype=torch.float16))

@@ -43,9 +43,12 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 
 
+MIN_BLOCK_ROWS = 64  # one MMA instruction kind (Hopper wgmma, m64) for every row count: same row bytes at any batch
+
+
 def block_rows(rows: int) -> int:
-    """BM of the fused path: the next power of two >= rows, at least 16 (the smallest MMA tile)."""
-    bm = 16
+    """BM of the fused path: the next power of two >= rows, at least MIN_BLOCK_ROWS."""
+    bm = MIN_BLOCK_ROWS
     while bm < rows:
         bm *= 2
     return bm
