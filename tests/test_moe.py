@@ -295,3 +295,26 @@ def test_run_contract():
         with pytest.raises(ContractError) as info:
             plan.bind(workspace)
         assert info.value.name == "workspace"
+
+
+def test_split_gate_up_for_small_batches_matches_oracle_and_is_deterministic():
+    """Few slots on a wide hidden size: gate/up is split over the hidden size, partials summed in order."""
+    from exl3moe.ops.moe import gate_up_splits
+
+    experts = random_experts(4, 512, 128, K=[3, 4, 2.5, 6], codebook=["mcg", "3inst", "mul1", "mul1"],
+                             generator=torch.Generator().manual_seed(11))
+    plan = moe_plan(experts, 2, 2)
+    assert plan.gate_up_splits == gate_up_splits(4, 4, 512, 128) == 4
+    hidden = (torch.randn(2, 512, generator=torch.Generator().manual_seed(12)) * 0.5).half()
+    ids = torch.tensor([[0, 2], [3, 1]])
+    weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]])
+    runner = plan.bind(plan.allocate())
+    first = torch.empty(2, 512, dtype=torch.float16)
+    runner.run(hidden, ids, weights, first)
+    check(first, hidden, experts, ids, weights)
+    again = torch.full_like(first, float("nan"))
+    runner.run(hidden, ids, weights, again)
+    assert torch.equal(first.view(torch.int16), again.view(torch.int16))
+    single = torch.empty(1, 512, dtype=torch.float16)
+    runner.run(hidden[1:], ids[1:], weights[1:], single)
+    assert torch.equal(single.view(torch.int16), first[1:].view(torch.int16))

@@ -169,13 +169,14 @@ def moe_gate_up_kernel(
     block_expert_ptr, block_start_ptr, offsets_ptr, sorted_slots_ptr, num_rows, top_k,
     trellis_addr_ptr, suh_addr_ptr, svh_addr_ptr, k2_ptr, codebook_ptr,
     stage_addr_ptr, stage_k2_ptr, stage_codebook_ptr, stage_scale_ptr, bias_ptr,
-    num_experts, hidden_size, inter_size, limit,
+    num_experts, hidden_size, inter_size, limit, partial_ptr, capacity,
     ROUTED: tl.constexpr, GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr,
     HAS_BIAS: tl.constexpr, NUM_STAGES: tl.constexpr, BM: tl.constexpr, DK: tl.constexpr,
-    WPAD: tl.constexpr, USE_ASM: tl.constexpr, SPLIT_BF16: tl.constexpr,
+    WPAD: tl.constexpr, USE_ASM: tl.constexpr, SPLIT_BF16: tl.constexpr, KSPLIT: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
     expert, pos, row_mask, slot = _block_rows(pid_b, block_expert_ptr, block_start_ptr, offsets_ptr,
                                               sorted_slots_ptr, num_rows, BM, ROUTED)
     if expert >= 0:
@@ -194,7 +195,10 @@ def moe_gate_up_kernel(
             gate_words, gate_k2, gate_cb = _entry(trellis_addr_ptr, k2_ptr, codebook_ptr, expert)
             gate_suh = tl.load(suh_addr_ptr + expert).to(tl.pointer_type(tl.float16))
             acc_gate = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, hidden_size, 128):
+        chunks = hidden_size // 128
+        span = tl.cdiv(chunks, KSPLIT)
+        for chunk in range(pid_s * span, tl.minimum(pid_s * span + span, chunks)):
+            k0 = chunk * 128
             kcols = k0 + tl.arange(0, 128)
             x = tl.load(x_rows + kcols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
             up_blocks = _rotate_blocks(x * tl.load(up_suh + kcols).to(tl.float32)[None, :], BM, DK, SPLIT_BF16)
@@ -212,20 +216,65 @@ def moe_gate_up_kernel(
                                         tiles_n, stage_addr_ptr, stage_k2_ptr, stage_codebook_ptr, stage_scale_ptr,
                                         stage_stride, NUM_STAGES, DK, WPAD, USE_ASM)
         ncols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        up_svh = tl.load(svh_addr_ptr + up_index).to(tl.pointer_type(tl.float16))
-        up = _epilogue(acc_up, up_svh, bias_ptr + (num_experts + expert).to(tl.int64) * inter_size, ncols,
-                       HAS_BIAS, SPLIT_BF16)
-        if GATED:
-            gate_svh = tl.load(svh_addr_ptr + expert).to(tl.pointer_type(tl.float16))
-            gate = _epilogue(acc_gate, gate_svh, bias_ptr + expert.to(tl.int64) * inter_size, ncols,
-                             HAS_BIAS, SPLIT_BF16)
+        if not GATED:
+            acc_gate = acc_up
+        if KSPLIT == 1:
+            _finish_rows(acc_gate, acc_up, expert, pos, row_mask, ncols, h_rot_ptr, svh_addr_ptr, suh_addr_ptr,
+                         bias_ptr, num_experts, inter_size, limit, GATED, ACTIVATION, HAS_LIMIT, HAS_BIAS, SPLIT_BF16)
         else:
-            gate = up
-        h = _activate(gate, up, ACTIVATION, HAS_LIMIT, limit)
-        down_suh = tl.load(suh_addr_ptr + 2 * num_experts + expert).to(tl.pointer_type(tl.float16))
-        h = hadamard128_rows(h * tl.load(down_suh + ncols).to(tl.float32)[None, :], SPLIT_BF16)
-        out = h_rot_ptr + pos.to(tl.int64)[:, None] * inter_size + ncols[None, :]
-        tl.store(out, h.to(tl.float16), mask=row_mask[:, None])
+            part = partial_ptr + ((pid_s * 2 * capacity + pos).to(tl.int64) * inter_size)[:, None] + ncols[None, :]
+            tl.store(part + capacity * inter_size, acc_up, mask=row_mask[:, None])
+            if GATED:
+                tl.store(part, acc_gate, mask=row_mask[:, None])
+
+
+@triton.jit
+def _finish_rows(acc_gate, acc_up, expert, pos, row_mask, ncols, h_rot_ptr, svh_addr_ptr, suh_addr_ptr, bias_ptr,
+                 num_experts, inter_size, limit, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
+                 HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    """gate/up epilogue: output Hadamards, svh, bias, activation, then down's suh and input Hadamard -> h_rot."""
+    up_index = num_experts + expert
+    up_svh = tl.load(svh_addr_ptr + up_index).to(tl.pointer_type(tl.float16))
+    up = _epilogue(acc_up, up_svh, bias_ptr + up_index.to(tl.int64) * inter_size, ncols, HAS_BIAS, SPLIT_BF16)
+    if GATED:
+        gate_svh = tl.load(svh_addr_ptr + expert).to(tl.pointer_type(tl.float16))
+        gate = _epilogue(acc_gate, gate_svh, bias_ptr + expert.to(tl.int64) * inter_size, ncols,
+                         HAS_BIAS, SPLIT_BF16)
+    else:
+        gate = up
+    h = _activate(gate, up, ACTIVATION, HAS_LIMIT, limit)
+    down_suh = tl.load(suh_addr_ptr + 2 * num_experts + expert).to(tl.pointer_type(tl.float16))
+    h = hadamard128_rows(h * tl.load(down_suh + ncols).to(tl.float32)[None, :], SPLIT_BF16)
+    out = h_rot_ptr + pos.to(tl.int64)[:, None] * inter_size + ncols[None, :]
+    tl.store(out, h.to(tl.float16), mask=row_mask[:, None])
+
+
+@triton.jit
+def moe_gate_up_finish_kernel(
+    partial_ptr, capacity, h_rot_ptr, block_expert_ptr, block_start_ptr, offsets_ptr, sorted_slots_ptr,
+    svh_addr_ptr, suh_addr_ptr, bias_ptr, num_experts, inter_size, limit,
+    GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BM: tl.constexpr, KSPLIT: tl.constexpr, SPLIT_BF16: tl.constexpr,
+):
+    """Sum the KSPLIT gate/up partial accumulators in split order, then the gate/up epilogue."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert, pos, row_mask, slot = _block_rows(pid_b, block_expert_ptr, block_start_ptr, offsets_ptr,
+                                              sorted_slots_ptr, 0, BM, True)
+    if expert >= 0:
+        ncols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs = (pos.to(tl.int64) * inter_size)[:, None] + ncols[None, :]
+        acc_up = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        acc_gate = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        for s in range(KSPLIT):
+            gate_part = partial_ptr + (2 * s * capacity).to(tl.int64) * inter_size + offs
+            acc_up += tl.load(gate_part + capacity * inter_size, mask=row_mask[:, None], other=0.0)
+            if GATED:
+                acc_gate += tl.load(gate_part, mask=row_mask[:, None], other=0.0)
+        if not GATED:
+            acc_gate = acc_up
+        _finish_rows(acc_gate, acc_up, expert, pos, row_mask, ncols, h_rot_ptr, svh_addr_ptr, suh_addr_ptr,
+                     bias_ptr, num_experts, inter_size, limit, GATED, ACTIVATION, HAS_LIMIT, HAS_BIAS, SPLIT_BF16)
 
 
 @triton.jit
@@ -271,25 +320,35 @@ def launch_flags(t: torch.Tensor) -> tuple:
 
 
 def moe_gate_up(hidden, h_rot, route, num_rows, top_k, tables, grid_blocks, routed, block_m, decode_k,
-                num_warps=NUM_WARPS):
-    """Launch the gate/up kernel; `route` = (block_expert, block_start, offsets, sorted_slots) int32 tensors
-    (any int32 tensors when not `routed`: they are not read)."""
+                num_warps=NUM_WARPS, partial=None, splits=1):
+    """Launch the gate/up kernel(s); `route` = (block_expert, block_start, offsets, sorted_slots) int32 tensors
+    (any int32 tensors when not `routed`: they are not read). With splits > 1 (routed only) the hidden size is
+    split over `splits` programs writing fp32 partials [splits, 2, capacity, I], summed in order by a second kernel."""
     block_expert, block_start, offsets, sorted_slots = route
     use_asm, split = launch_flags(hidden)
     bias = tables.bias_gate_up if tables.bias_gate_up is not None else tables.stage_scale
     limit = float(tables.limit) if tables.limit is not None else 0.0
-    grid = (grid_blocks, tables.intermediate_size // BLOCK_N)
+    capacity = partial.numel() // (2 * splits * tables.intermediate_size) if splits > 1 else 0
+    partial = partial if splits > 1 else h_rot
+    grid = (grid_blocks, tables.intermediate_size // BLOCK_N, splits)
     moe_gate_up_kernel[grid](
         hidden, hidden.stride(0), h_rot,
         block_expert, block_start, offsets, sorted_slots, num_rows, top_k,
         tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2, tables.codebook,
         tables.stage_addr, tables.stage_k2, tables.stage_codebook, tables.stage_scale, bias,
-        tables.num_experts, tables.hidden_size, tables.intermediate_size, limit,
+        tables.num_experts, tables.hidden_size, tables.intermediate_size, limit, partial, capacity,
         ROUTED=routed, GATED=tables.gated, ACTIVATION=ACTIVATION_ID[tables.activation],
         HAS_LIMIT=tables.limit is not None, HAS_BIAS=tables.bias_gate_up is not None,
         NUM_STAGES=tables.num_stages, BM=block_m, DK=decode_k, WPAD=word_pad(tables.max_k2_gate_up),
-        USE_ASM=use_asm, SPLIT_BF16=split, num_warps=num_warps,
+        USE_ASM=use_asm, SPLIT_BF16=split, KSPLIT=splits, num_warps=num_warps,
     )
+    if splits > 1:
+        moe_gate_up_finish_kernel[grid[:2]](
+            partial, capacity, h_rot, block_expert, block_start, offsets, sorted_slots,
+            tables.svh_addr, tables.suh_addr, bias, tables.num_experts, tables.intermediate_size, limit,
+            GATED=tables.gated, ACTIVATION=ACTIVATION_ID[tables.activation], HAS_LIMIT=tables.limit is not None,
+            HAS_BIAS=tables.bias_gate_up is not None, BM=block_m, KSPLIT=splits, SPLIT_BF16=split, num_warps=8,
+        )
 
 
 def moe_down(h_rot, y, route, num_rows, tables, grid_blocks, routed, block_m, decode_k, num_warps=NUM_WARPS):

@@ -50,6 +50,19 @@ _ALIGN = 256
 _BASE_ALIGN = 16
 
 
+# gate/up programs wanted in flight: below this the hidden size is split (partials summed in a fixed order).
+SPLIT_TARGET_PROGRAMS = 768
+
+
+def gate_up_splits(max_slots: int, num_experts: int, hidden: int, inter: int) -> int:
+    """Hidden-size splits of gate/up, from the plan's shape alone (never from the data or the chunking)."""
+    busy = min(num_experts, max_slots) * (inter // 128)
+    splits = 1
+    while splits * 2 <= hidden // 128 and busy * splits * 2 <= SPLIT_TARGET_PROGRAMS:
+        splits *= 2
+    return splits
+
+
 def route_block_rows(slots: int, num_experts: int) -> int:
     """Route-block size from the average rows per expert: a power of two in [MIN_BLOCK_M, MAX_BLOCK_M]."""
     return max(MIN_BLOCK_M, min(MAX_BLOCK_M, triton.next_power_of_2(max(1, -(-slots // num_experts)))))
@@ -109,6 +122,7 @@ class MoEPlan:
         self.shared_block_m = route_block_rows(self.chunk_tokens, 1)
         self.decode_k = decode_k or (INTERPRET_DECODE_K if interpreting() else GPU_DECODE_K)
         H, I, S = experts.hidden_size, experts.intermediate_size, self.slot_capacity
+        self.gate_up_splits = gate_up_splits(max_tokens * top_k, E, H, I)
         max_blocks = route_pack_max_blocks(S, E, self.block_m)
         self._layout = [
             ("h_rot", S * I, torch.float16), ("y", S * H, torch.float32),
@@ -117,6 +131,8 @@ class MoEPlan:
             ("offsets", E + 2, torch.int32), ("num_blocks", 1, torch.int32),
             ("route_workspace", route_pack_workspace_numel(S, E), torch.int32),
         ]
+        if self.gate_up_splits > 1:
+            self._layout.append(("gate_up_partial", self.gate_up_splits * 2 * S * I, torch.float32))
         if shared is not None:
             self._layout += [("shared_h_rot", self.chunk_tokens * shared.intermediate_size, torch.float16),
                              ("shared_y", self.chunk_tokens * H, torch.float32)]
@@ -215,7 +231,8 @@ class MoERunner:
         route_pack(topk_ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert, block_start,
                    ws["num_blocks"], ws["route_workspace"][:route_pack_workspace_numel(slots, E)], block_m=plan.block_m)
         route = (block_expert, block_start, ws["offsets"], sorted_slots)
-        moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True, plan.block_m, plan.decode_k)
+        moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True, plan.block_m, plan.decode_k,
+                    partial=ws.get("gate_up_partial"), splits=plan.gate_up_splits)
         moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True, plan.block_m, plan.decode_k)
         shared_y = None
         if plan.shared_tables is not None:
