@@ -7,7 +7,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from exl3moe.kernels import hadamard, trellis_decode, trellis_matmul
+from exl3moe.kernels import trellis_matmul
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -24,14 +24,13 @@ MATMUL_SIG = {"xh_ptr": "*fp16", "words_ptr": "*i32", "part_ptr": "*fp32", "rows
               "chunks_per_split": "i32", "chunks_total": "i32", "stride_x": "i32"}
 
 
-def check_matmul(lanes=True, bn=128, bk=32, bm=16, warps=4):
+def check_matmul(bn=128, bk=64, bm=64, warps=4):
     failures = 0
     for k2, cb in itertools.product([2, 3, 4, 5, 6, 8, 16], [0, 1, 2]):
         if k2 % 2 and cb != 2:
             continue
         wpad = triton.next_power_of_2(bn // 16 * 4 * k2)
-        consts = {"K2": k2, "CODEBOOK": cb, "BM": bm, "BN": bn, "BK": bk, "USE_ASM": 2, "DENSE": False,
-                  "GATHER": not lanes, "WPAD": wpad, "LANES": lanes}
+        consts = {"K2": k2, "CODEBOOK": cb, "BM": bm, "BN": bn, "BK": bk, "USE_ASM": 2, "DENSE": False, "WPAD": wpad}
         try:
             kern = compile_one(trellis_matmul._trellis_matmul_kernel, MATMUL_SIG, consts, warps)
             print(f"matmul K2={k2} cb={cb} ok shared={kern.metadata.shared}")

@@ -33,7 +33,7 @@ for bn, bk, warps, stages, target, maxnreg in variants:
         def call(t):
             return tm._trellis_matmul_kernel[grid](x, t.view(torch.int32), part, rows, n, n // 16, per, chunks,
                                                    x.stride(0), 2 * K, 1, 16 if rows == 1 else 128, bn, bk, 2,
-                                                   False, False, wpad, True, num_warps=warps, num_stages=stages,
+                                                   False, wpad, num_warps=warps, num_stages=stages,
                                                    **extra)
         try:
             kern = call(trs[0])

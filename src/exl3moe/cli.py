@@ -128,11 +128,18 @@ def inspect_checkpoint(reader: CheckpointReader, console: Console) -> None:
         console.print("no routed-expert (MoE) layers")
 
 
-def cmd_inspect(args) -> int:
+def open_or_report(path) -> CheckpointReader | None:
+    """The checkpoint at path, or None after printing why it cannot be read."""
     try:
-        reader = open_checkpoint(args.path)
+        return open_checkpoint(path)
     except FormatError as err:
         print(f"error: {err}", file=sys.stderr)
+        return None
+
+
+def cmd_inspect(args) -> int:
+    reader = open_or_report(args.path)
+    if reader is None:
         return 1
     width = args.width or (None if sys.stdout.isatty() else 160)
     inspect_checkpoint(reader, Console(width=width))
@@ -151,10 +158,8 @@ def cmd_demo(args) -> int:
 
 def cmd_verify(args) -> int:
     from .demo import verify_checkpoint
-    try:
-        reader = open_checkpoint(args.path)
-    except FormatError as err:
-        print(f"error: {err}", file=sys.stderr)
+    reader = open_or_report(args.path)
+    if reader is None:
         return 1
     return 0 if verify_checkpoint(reader, args.device) < 2e-3 else 1
 

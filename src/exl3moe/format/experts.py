@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import FormatError
+from ..errors import ContractError, FormatError
 from .weight import EXL3Weight
 
 ACTIVATIONS = ("silu", "gelu", "relu2")
@@ -103,3 +103,14 @@ class ExpertSet:
         mv = lambda ws: None if ws is None else [w.to(device) for w in ws]  # noqa: E731
         return ExpertSet(mv(self.gate), mv(self.up), mv(self.down), self.activation, self.limit,
                          list(self.stages), self.name)
+
+
+def check_shared(shared, experts: ExpertSet) -> None:
+    """A shared (always-on) expert: an ExpertSet of one expert on the routed experts' hidden size and device."""
+    if not isinstance(shared, ExpertSet):
+        raise ContractError("shared", f"must be an ExpertSet, got {type(shared).__name__}")
+    if shared.num_experts != 1:
+        raise ContractError("shared", f"must hold exactly one expert, got {shared.num_experts}")
+    if shared.hidden_size != experts.hidden_size or shared.device != experts.device:
+        raise ContractError("shared", f"hidden size {shared.hidden_size} on {shared.device} differs from the "
+                            f"routed experts' {experts.hidden_size} on {experts.device}")

@@ -137,53 +137,9 @@ def load_word_rows(words_ptr, tiles_n, K2, BK: tl.constexpr, BN: tl.constexpr, W
 
 
 @triton.jit
-def decode_gathered(word_rows, idx_last, idx_prev, shift, BK: tl.constexpr, BN: tl.constexpr,
-                    WPAD: tl.constexpr, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
-    """Decode a block from its loaded word rows by gathering each element's two words on chip."""
-    flat = tl.reshape(word_rows, [(BK // 16) * WPAD])
-    lo = tl.reshape(tl.gather(flat, idx_last, 0), [BK, BN])
-    hi = tl.reshape(tl.gather(flat, idx_prev, 0), [BK, BN])
-    if USE_ASM == 2:
-        return decode_words(lo, hi, shift, CODEBOOK, True)
-    return codebook_value(window16(lo, hi, shift, USE_ASM), CODEBOOK)
-
-
-_ASM_LOP3 = """{
- .reg .b32 x; .reg .b16 lo, hi;
- shf.r.clamp.b32 x, $1, $2, $3;
- and.b32 x, x, 65535;
- MULTIPLY
- lop3.b32 x, x, 0x8FFF8FFF, 0x3B603B60, 0x6A;
- mov.b32 {lo, hi}, x;
- add.rn.f16 $0, lo, hi;
-}"""
-ASM_3INST = tl.constexpr(_ASM_LOP3.replace("MULTIPLY", "mad.lo.u32 x, x, 89226354, 64248484;"))
-ASM_MCG = tl.constexpr(_ASM_LOP3.replace("MULTIPLY", "mul.lo.u32 x, x, 0xCBAC1FED;"))
-ASM_MUL1 = tl.constexpr("""{
- .reg .b32 x; .reg .b16 h, kinv, kbias, unused;
- shf.r.clamp.b32 x, $1, $2, $3;
- and.b32 x, x, 65535;
- mul.lo.u32 x, x, 0x83DCD12D;
- dp4a.u32.u32 x, x, 0x01010101, 0x6400;
- mov.b32 {h, unused}, x;
- mov.b16 kinv, 0x1EEE;
- mov.b16 kbias, 0xC931;
- fma.rn.f16 $0, h, kinv, kbias;
-}""")
-
-
-@triton.jit
 def decode_words(lo, hi, shift, CODEBOOK: tl.constexpr, USE_ASM: tl.constexpr):
-    """Window of hi:lo at `shift` -> fp16 codebook value; one inline-asm block per element on the GPU."""
-    if not USE_ASM:
-        return codebook_value(window16(lo, hi, shift, False), CODEBOOK)
-    if CODEBOOK == 0:
-        return tl.inline_asm_elementwise(ASM_3INST, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True,
-                                         pack=1)
-    if CODEBOOK == 1:
-        return tl.inline_asm_elementwise(ASM_MCG, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True,
-                                         pack=1)
-    return tl.inline_asm_elementwise(ASM_MUL1, "=h,r,r,r", [lo, hi, shift], dtype=tl.float16, is_pure=True, pack=1)
+    """Window of hi:lo at `shift` -> fp16 codebook value (funnel shift and codebook in inline asm on the GPU)."""
+    return codebook_asm(window16(lo, hi, shift, USE_ASM), CODEBOOK, USE_ASM)
 
 
 @triton.jit

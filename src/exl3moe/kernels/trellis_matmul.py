@@ -10,27 +10,21 @@ import triton
 import triton.language as tl
 
 from .hadamard import hadamard128_rows, split_bf16
-from .trellis_decode import (CODEBOOK_ID, decode_block, decode_gathered, decode_lanes, decode_setup, gather_setup,
-                             interpreting, lane_setup, load_word_rows)
+from .trellis_decode import CODEBOOK_ID, decode_lanes, interpreting, lane_setup, load_word_rows
 
 
 @triton.jit
 def _trellis_matmul_kernel(xh_ptr, words_ptr, part_ptr, rows, n, tiles_n, chunks_per_split, chunks_total,
                            stride_x, K2: tl.constexpr, CODEBOOK: tl.constexpr, BM: tl.constexpr,
                            BN: tl.constexpr, BK: tl.constexpr, USE_ASM: tl.constexpr, DENSE: tl.constexpr,
-                           GATHER: tl.constexpr = False, WPAD: tl.constexpr = 1,
-                           LANES: tl.constexpr = False):
+                           WPAD: tl.constexpr):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
     pid_m = tl.program_id(2)
     if DENSE:
         dense_offs = tl.arange(0, BK)[:, None] * n + tl.arange(0, BN)[None, :]
-    elif LANES:
-        i0, i1, i2, misalign = lane_setup(BK, BN, K2, WPAD)
-    elif GATHER:
-        off_last, off_prev, shift = gather_setup(BK, BN, K2, WPAD)
     else:
-        off_last, off_prev, shift = decode_setup(BK, BN, K2, tiles_n)
+        i0, i1, i2, misalign = lane_setup(BK, BN, K2, WPAD)
     r = pid_m * BM + tl.arange(0, BM)
     row_mask = (r < rows)[:, None]
     ks = tl.arange(0, BK)
@@ -47,14 +41,9 @@ def _trellis_matmul_kernel(xh_ptr, words_ptr, part_ptr, rows, n, tiles_n, chunks
     for _ in range(first, last):
         if DENSE:
             w = tl.load(words + dense_offs)
-        elif LANES:
+        else:
             w = decode_lanes(load_word_rows(words, tiles_n, K2, BK, BN, WPAD), i0, i1, i2, misalign, BK, BN, WPAD,
                              K2, CODEBOOK, USE_ASM)
-        elif GATHER:
-            w = decode_gathered(load_word_rows(words, tiles_n, K2, BK, BN, WPAD), off_last, off_prev, shift,
-                                BK, BN, WPAD, CODEBOOK, USE_ASM)
-        else:
-            w = decode_block(words, off_last, off_prev, shift, CODEBOOK, USE_ASM)
         x = tl.load(x_ptrs, mask=row_mask, other=0.0)
         acc = tl.dot(x, w, acc)
         words += chunk_words
@@ -85,8 +74,7 @@ def _epilogue_kernel(part_ptr, svh_ptr, bias_ptr, out_ptr, rows, n, splits, stri
 
 def trellis_matmul(xh: torch.Tensor, trellis: torch.Tensor, K: float, codebook: str, partials: torch.Tensor,
                    splits: int, block_m: int, block_n: int, block_k: int, num_warps: int = 4,
-                   num_stages: int = 3, dense: torch.Tensor | None = None, asm_level: int = 2,
-                   lanes: bool = True) -> torch.Tensor:
+                   num_stages: int = 3, dense: torch.Tensor | None = None, asm_level: int = 2) -> torch.Tensor:
     """partials [splits, rows, n] fp32 <- xh [rows, k] fp16 @ W_inner, k split into `splits` chunk ranges.
 
     With `dense` (fp16 [k, n], W_inner decoded once) the weight is read from it instead of decoded.
@@ -103,8 +91,8 @@ def trellis_matmul(xh: torch.Tensor, trellis: torch.Tensor, K: float, codebook: 
     use_asm = asm_level if xh.is_cuda and not interpreting() else 0
     _trellis_matmul_kernel[grid](xh, source, partials, rows, n, tiles_n, per_split, chunks_total,
                                  xh.stride(0), k2, CODEBOOK_ID[codebook], block_m, block_n, block_k,
-                                 use_asm, dense is not None, not lanes, triton.next_power_of_2(block_n // 16 * 4 * k2),
-                                 lanes, num_warps=num_warps, num_stages=num_stages)
+                                 use_asm, dense is not None, triton.next_power_of_2(block_n // 16 * 4 * k2),
+                                 num_warps=num_warps, num_stages=num_stages)
     return partials
 
 

@@ -24,7 +24,7 @@ import torch
 import triton
 
 from ..errors import ContractError
-from ..format.experts import ExpertSet
+from ..format.experts import ExpertSet, check_shared
 from ..format.hadamard import hadamard_blockwise
 from ..kernels.moe_combine import moe_combine
 from ..kernels.moe_experts import moe_down, moe_gate_up
@@ -78,16 +78,6 @@ def _check_int(value, name: str, minimum: int) -> int:
     return value
 
 
-def _check_shared(shared, experts: ExpertSet) -> None:
-    if not isinstance(shared, ExpertSet):
-        raise ContractError("shared", f"must be an ExpertSet, got {type(shared).__name__}")
-    if shared.num_experts != 1:
-        raise ContractError("shared", f"must hold exactly one expert, got {shared.num_experts}")
-    if shared.hidden_size != experts.hidden_size or shared.device != experts.device:
-        raise ContractError("shared", f"hidden size {shared.hidden_size} on {shared.device} differs from the "
-                            f"routed experts' {experts.hidden_size} on {experts.device}")
-
-
 class MoEPlan:
     """Validated experts, device tables, tile choices and workspace layout for calls of up to max_tokens."""
 
@@ -107,7 +97,7 @@ class MoEPlan:
             raise ContractError("decode_k", f"must be 16, 32, 64 or 128, got {decode_k!r}")
         check_expert_set(experts)
         if shared is not None:
-            _check_shared(shared, experts)
+            check_shared(shared, experts)
             check_expert_set(shared, "shared")
         # Everything is validated: only now do tables reach the device.
         self.tables: MoETables = build_tables(experts)

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import ContractError, FormatError
-from ..format.experts import ExpertSet, ResidualStage
+from ..format.experts import ExpertSet, ResidualStage, check_shared
 from ..format.weight import EXL3Weight
 from .linear import INPUT_DTYPES, apply_dense, dense_with_bias
 from .route_pack import bucket_ids, check_topk_ids
@@ -149,16 +149,6 @@ def _check_call(hidden, experts, topk_ids, topk_weights) -> None:
             raise ContractError(name, f"on {t.device}, the experts are on {experts.device}")
 
 
-def _check_shared(shared, experts: ExpertSet) -> None:
-    if not isinstance(shared, ExpertSet):
-        raise ContractError("shared", f"must be an ExpertSet, got {type(shared).__name__}")
-    if shared.num_experts != 1:
-        raise ContractError("shared", f"must hold exactly one expert, got {shared.num_experts}")
-    if shared.hidden_size != experts.hidden_size or shared.device != experts.device:
-        raise ContractError("shared", f"hidden size {shared.hidden_size} on {shared.device} differs from the "
-                            f"routed experts' {experts.hidden_size} on {experts.device}")
-
-
 def moe(hidden: torch.Tensor, experts: ExpertSet, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
         shared: ExpertSet | None = None, stages: list | None = None) -> torch.Tensor:
     """The exact routed MoE output in float64 [T, H] (see the module docstring for every rule)."""
@@ -167,7 +157,7 @@ def moe(hidden: torch.Tensor, experts: ExpertSet, topk_ids: torch.Tensor, topk_w
     for i, stage in enumerate(stages):
         _check_stage(stage, i, experts)
     if shared is not None:
-        _check_shared(shared, experts)
+        check_shared(shared, experts)
         for i, stage in enumerate(shared.stages):
             _check_stage(stage, i, shared)
     T, top_k = topk_ids.shape
