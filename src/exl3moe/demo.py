@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import torch
@@ -51,9 +52,13 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
+def report_console() -> Console:
+    return Console() if sys.stdout.isatty() else Console(width=140)
+
+
 def run_demo(device: str | None = None, tokens: int = 9, console: Console | None = None) -> float:
     """Run a mixed-K MoE layer and one linear; print a report; return the worst relative error."""
-    console = console or Console()
+    console = console or report_console()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g = torch.Generator().manual_seed(0)
     E, hidden, inter, top_k = 8, 256, 256, 2
@@ -86,7 +91,7 @@ def run_demo(device: str | None = None, tokens: int = 9, console: Console | None
 
 def verify_checkpoint(reader, device: str | None = None, rows: int = 4, console: Console | None = None) -> float:
     """Run every quantized linear and every MoE layer of a checkpoint against float64; return the worst error."""
-    console = console or Console()
+    console = console or report_console()
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     g = torch.Generator().manual_seed(0)
     table = Table(title=f"exl3moe verify: {path_name(dev)}")
