@@ -5,7 +5,7 @@ import json
 
 import torch
 
-from exl3moe import EXL3Weight, ExpertSet
+from exl3moe import EXL3Weight, ExpertSet, ResidualStage
 from exl3moe.ops.moe import moe_plan
 from exl3moe.timing import run_info, time_graph
 
@@ -77,7 +77,39 @@ def time_bf16(layer, hidden, E, T, top_k, gen):
     return time_graph(calls, replays=10)
 
 
+def residual_stage(experts, scales, K, codebook, gen):
+    """A K-bit residual on every expert and projection of `experts`, sharing the base suh/svh."""
+    def residuals(bases):
+        return [EXL3Weight(torch.randint(-32768, 32767, w.trellis.shape[:2] + (int(16 * K),), dtype=torch.int16,
+                                         device="cuda", generator=gen), w.suh, w.svh, codebook) for w in bases]
+    return ResidualStage(residuals(experts.gate), residuals(experts.up), residuals(experts.down), scales)
+
+
+def stage_variants(args):
+    """Qwen3 shape, K4 base: alone; with an all-zero stage table; one K2 MCG stage on all / a quarter of experts."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    hidden, inter, E, top_k = SHAPES["qwen3-30b-a3b"]
+    base = random_layer(hidden, inter, E, [4], args.codebook, gen)
+    every = torch.full((E, 3), 0.1, device="cuda")
+    quarter = torch.zeros(E, 3, device="cuda")
+    quarter[::4] = 0.1
+    variants = {"base": [], "zero-stage": [residual_stage(base, torch.zeros(E, 3, device="cuda"), 2, "mcg", gen)],
+                "k2-all": [residual_stage(base, every, 2, "mcg", gen)],
+                "k2-quarter": [residual_stage(base, quarter, 2, "mcg", gen)]}
+    results = []
+    for T in args.tokens:
+        for name, stages in variants.items():
+            layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=stages)
+            us = time_exl3(layer, T, top_k, gen)
+            results.append(dict(shape="qwen3-30b-a3b", K=4, stages=name, codebook=args.codebook, tokens=T,
+                                us=round(us, 1)))
+            print(f"stages {name:10s} T={T:5d} {us:9.1f} us", flush=True)
+    return results
+
+
 def main(args):
+    if args.stages:
+        return stage_variants(args)
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     for shape in args.shapes:
@@ -105,6 +137,7 @@ if __name__ == "__main__":
     ap.add_argument("--layers", nargs="+", default=[str(k) for k in LAYERS])
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     ap.add_argument("--codebook", default="mcg")
+    ap.add_argument("--stages", action="store_true", help="residual-stage variants (issue: additive stages)")
     a = ap.parse_args()
     res = main(a)
     with open(a.out, "w") as fh:

@@ -318,3 +318,56 @@ def test_split_gate_up_for_small_batches_matches_oracle_and_is_deterministic():
     single = torch.empty(1, 512, dtype=torch.float16)
     runner.run(hidden[1:], ids[1:], weights[1:], single)
     assert torch.equal(single.view(torch.int16), first[1:].view(torch.int16))
+
+
+def test_stage_hot_swap_rewrites_tables_in_place():
+    """base -> stage set A -> stage set B -> base on one plan: equal to fresh plans, base bytes restored."""
+    g = torch.Generator().manual_seed(21)
+    experts = random_experts(4, 128, 128, K=[3, 4, 2, 4], codebook=["mcg", "mul1", "3inst", "mcg"], generator=g)
+    set_a = [random_stage(experts, torch.rand(4, 3, generator=g), K=2, codebook="mcg", generator=g)]
+    scales_b = torch.rand(4, 3, generator=g)
+    scales_b[1] = 0.0
+    set_b = [random_stage(experts, scales_b, K=3, codebook="mcg", generator=g),
+             random_stage(experts, torch.rand(4, 3, generator=g), K=2, codebook="mul1", generator=g)]
+    hidden = (torch.randn(5, 128, generator=g) * 0.5).half()
+    ids = torch.randint(0, 4, (5, 2), generator=g)
+    weights = torch.rand(5, 2, generator=g)
+    plan = moe_plan(experts, 5, 2, stage_capacity=2, max_stage_bits=3)
+    runner = plan.bind(plan.allocate())
+    tables = (plan.tables.stage_addr, plan.tables.stage_scale)
+
+    def run():
+        out = torch.full((5, 128), float("nan"), dtype=torch.float16)
+        return runner.run(hidden, ids, weights, out)
+
+    base_first = run()
+    check(base_first, hidden, experts, ids, weights)
+    for stages in (set_a, set_b):
+        plan.load_stages(stages)
+        assert plan.tables.stage_addr is tables[0] and plan.tables.stage_scale is tables[1]
+        with_stages = ExpertSet(experts.gate, experts.up, experts.down, experts.activation, stages=stages)
+        out = run()
+        check(out, hidden, with_stages, ids, weights)
+        fresh = fused_experts(hidden, with_stages, ids, weights)
+        assert torch.equal(out.view(torch.int16), fresh.view(torch.int16))
+    plan.load_stages([])
+    assert torch.equal(run().view(torch.int16), base_first.view(torch.int16))
+
+
+def test_stage_hot_swap_refuses_what_the_plan_cannot_read():
+    g = torch.Generator().manual_seed(22)
+    experts = random_experts(2, 128, 128, K=3, codebook="mcg", generator=g)
+    plan = moe_plan(experts, 4, 2, stage_capacity=1, max_stage_bits=2)
+    before = plan.tables.stage_scale.clone()
+    wide = [random_stage(experts, torch.ones(2, 3), K=4, codebook="mcg", generator=g)]
+    two = [random_stage(experts, torch.ones(2, 3), K=2, generator=g) for _ in range(2)]
+    bad_scales = torch.ones(2, 3)
+    bad_scales[0, 1] = float("nan")
+    nan = [random_stage(experts, bad_scales, K=2, generator=g)]
+    for stages, rule in ((wide, "wider"), (two, "capacity"), (nan, "finite"), ("x", "list")):
+        with pytest.raises(ContractError) as err:
+            plan.load_stages(stages)
+        assert rule in str(err.value) and "stages" in err.value.name
+        assert torch.equal(plan.tables.stage_scale, before), "a refused swap must write nothing"
+    with pytest.raises(ContractError, match="max_stage_bits"):
+        moe_plan(experts, 4, 2, max_stage_bits=2.2)

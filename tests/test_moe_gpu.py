@@ -118,3 +118,49 @@ def test_deterministic_and_batch_invariant_at_full_shape(qwen3_layer):
     assert torch.equal(bits(full), bits(run(T)))
     for n in (1, 2, 17, 64, 299):
         assert torch.equal(bits(run(n)), bits(full[:n])), n
+
+
+def residual_stage(experts, scales, K, codebook, seed):
+    """A residual stage on every expert and projection, sharing each base weight's suh/svh."""
+    from exl3moe import ResidualStage
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def residuals(bases):
+        return [EXL3Weight(torch.randint(-32768, 32768, w.trellis.shape[:2] + (int(16 * K),), dtype=torch.int32,
+                                         device="cuda", generator=g).to(torch.int16), w.suh, w.svh, codebook)
+                for w in bases]
+    return ResidualStage(residuals(experts.gate), residuals(experts.up), residuals(experts.down),
+                         scales.to("cuda", torch.float32))
+
+
+def test_stage_hot_swap_under_one_captured_graph(qwen3_layer):
+    """Capture once; replay base -> stage set A -> stage set B -> base: each equals a fresh eager run."""
+    T, top_k, H, E = 16, QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
+    g = torch.Generator(device="cuda").manual_seed(30)
+    set_a = [residual_stage(qwen3_layer, torch.rand(E, 3, device="cuda", generator=g) * 0.1, 2, "mcg", 31)]
+    quarter = torch.zeros(E, 3, device="cuda")
+    quarter[::4] = 0.1
+    set_b = [residual_stage(qwen3_layer, quarter, 2, "mcg", 32), residual_stage(qwen3_layer, quarter, 3, "mul1", 33)]
+    plan = moe_plan(qwen3_layer, T, top_k, out_dtype=torch.float16, stage_capacity=2, max_stage_bits=3)
+    runner = plan.bind(plan.allocate())
+    x = (torch.randn(T, H, device="cuda", generator=g) / 32).half()
+    ids, weights = routing(T, E, top_k, 7)
+    out = torch.empty(T, H, device="cuda", dtype=torch.float16)
+    runner.run(x, ids, weights, out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        runner.run(x, ids, weights, out)
+    results = []
+    for stages in ([], set_a, set_b, []):
+        plan.load_stages(stages)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        with_stages = ExpertSet(qwen3_layer.gate, qwen3_layer.up, qwen3_layer.down, "silu", stages=stages)
+        eager = fused_experts(x, with_stages, ids, weights, out_dtype=torch.float16)
+        assert rel_l2(out, moe(x, with_stages, ids, weights)) < 2e-3
+        results.append(out.clone())
+        assert torch.equal(bits(out), bits(eager))
+    assert not torch.equal(results[0], results[1]) and not torch.equal(results[1], results[2])
+    assert torch.equal(bits(results[0]), bits(results[3]))

@@ -83,7 +83,8 @@ class MoEPlan:
 
     def __init__(self, experts: ExpertSet, max_tokens: int, top_k: int, shared: ExpertSet | None = None,
                  out_dtype: torch.dtype | None = None, slot_capacity: int | None = None,
-                 block_m: int | None = None, decode_k: int | None = None):
+                 block_m: int | None = None, decode_k: int | None = None, stage_capacity: int = 0,
+                 max_stage_bits: float = 0):
         _check_int(max_tokens, "max_tokens", 1)
         _check_int(top_k, "top_k", 1)
         if out_dtype is not None and out_dtype not in OUTPUT_DTYPES:
@@ -95,12 +96,17 @@ class MoEPlan:
             raise ContractError("block_m", f"must be 16, 32, 64 or 128, got {block_m!r}")
         if decode_k is not None and decode_k not in (16, 32, 64, 128):
             raise ContractError("decode_k", f"must be 16, 32, 64 or 128, got {decode_k!r}")
+        _check_int(stage_capacity, "stage_capacity", 0)
+        if max_stage_bits and max_stage_bits * 2 not in range(2, 17):
+            raise ContractError("max_stage_bits", f"must be 0 or a valid K (1..8, 1.5, 2.5, 3.5), got {max_stage_bits}")
         check_expert_set(experts)
         if shared is not None:
             check_shared(shared, experts)
             check_expert_set(shared, "shared")
         # Everything is validated: only now do tables reach the device.
-        self.tables: MoETables = build_tables(experts)
+        self.tables: MoETables = build_tables(experts, stage_capacity=stage_capacity)
+        self.tables.max_k2_gate_up = max(self.tables.max_k2_gate_up, int(2 * max_stage_bits))
+        self.tables.max_k2_down = max(self.tables.max_k2_down, int(2 * max_stage_bits))
         self.shared_tables = build_tables(shared, "shared") if shared is not None else None
         E = experts.num_experts
         self.experts, self.shared = experts, shared
@@ -147,6 +153,37 @@ class MoEPlan:
 
     def allocate(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+
+    def load_stages(self, stages: list) -> None:
+        """Hot swap: replace the residual stages by rewriting this plan's stage tables in place.
+
+        Captured graphs keep reading the same table tensors, so the next replay uses the new stages.
+        `[]` restores the base. Refused with ContractError (nothing written) unless the stages fit the
+        plan: at most `stage_capacity` stages (or as many as the plan was made with), residual K within
+        the plan's widest (`max_stage_bits`), and biases only where the plan has bias tables.
+        Call between replays, not while one runs; the plan keeps the new stages alive.
+        """
+        if not isinstance(stages, (list, tuple)):
+            raise ContractError("stages", f"must be a list of ResidualStage, got {type(stages).__name__}")
+        t = self.tables
+        if len(stages) > t.num_stages:
+            raise ContractError("stages", f"{len(stages)} stages exceed the plan's capacity of {t.num_stages} "
+                                "(moe_plan(..., stage_capacity=...))")
+        base = self.experts
+        swapped = ExpertSet(base.gate, base.up, base.down, base.activation, base.limit, list(stages), base.name)
+        new = build_tables(swapped, stage_capacity=t.num_stages)
+        if new.max_k2_gate_up > t.max_k2_gate_up or new.max_k2_down > t.max_k2_down:
+            widest = max(new.max_k2_gate_up, new.max_k2_down) / 2
+            raise ContractError("stages", f"a residual of K={widest:g} is wider than the plan allows "
+                                "(moe_plan(..., max_stage_bits=...))")
+        for field in ("bias_gate_up", "bias_down"):
+            if (getattr(new, field) is None) != (getattr(t, field) is None):
+                raise ContractError(f"stages.{field}", "residual biases must match the plan's bias tables "
+                                    "(present in both or in neither)")
+        for field in ("stage_addr", "stage_k2", "stage_codebook", "stage_scale", "bias_gate_up", "bias_down"):
+            if getattr(t, field) is not None:
+                getattr(t, field).copy_(getattr(new, field))
+        self.experts = swapped
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -283,9 +320,15 @@ def moe_torch(hidden: torch.Tensor, plan: MoEPlan, topk_ids: torch.Tensor, topk_
 
 def moe_plan(experts: ExpertSet, max_tokens: int, top_k: int, shared: ExpertSet | None = None,
              out_dtype: torch.dtype | None = None, slot_capacity: int | None = None,
-             block_m: int | None = None, decode_k: int | None = None) -> MoEPlan:
-    """Validate everything and plan calls of up to `max_tokens` tokens routed to `top_k` experts each."""
-    return MoEPlan(experts, max_tokens, top_k, shared, out_dtype, slot_capacity, block_m, decode_k)
+             block_m: int | None = None, decode_k: int | None = None, stage_capacity: int = 0,
+             max_stage_bits: float = 0) -> MoEPlan:
+    """Validate everything and plan calls of up to `max_tokens` tokens routed to `top_k` experts each.
+
+    For residual-stage hot swaps (`MoEPlan.load_stages`), reserve `stage_capacity` stage slots and the widest
+    residual K (`max_stage_bits`) the plan must accept.
+    """
+    return MoEPlan(experts, max_tokens, top_k, shared, out_dtype, slot_capacity, block_m, decode_k,
+                   stage_capacity, max_stage_bits)
 
 
 def fused_experts(hidden: torch.Tensor, experts: ExpertSet, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

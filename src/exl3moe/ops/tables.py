@@ -177,10 +177,13 @@ def _fold_bias(experts: ExpertSet, proj: str, p: int, stage_scales: list) -> tor
     return out
 
 
-def build_tables(experts: ExpertSet, name: str = "experts") -> MoETables:
-    """Validate `experts` and build its device tables on the experts' device (one host-to-device copy each)."""
+def build_tables(experts: ExpertSet, name: str = "experts", stage_capacity: int = 0) -> MoETables:
+    """Validate `experts` and build its device tables on the experts' device (one host-to-device copy each).
+
+    `stage_capacity` reserves that many stage slots (zero scales) so stages can be loaded in place later.
+    """
     stage_scales = check_expert_set(experts, name)
-    E, S = experts.num_experts, len(experts.stages)
+    E, S = experts.num_experts, max(len(experts.stages), stage_capacity)
     device = experts.device
     addr = torch.zeros(3, 3, E, dtype=torch.int64)
     fmt = torch.zeros(2, 3, E, dtype=torch.int32)
