@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from exl3moe import EXL3Weight
@@ -80,3 +81,28 @@ def test_module_entry_point_runs(fixtures_dir):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "lm_head" in result.stdout and "mlp.experts.*.down_proj" in result.stdout
+
+
+def test_verify_runs_every_layer_of_the_fixture(fixtures_dir, capsys):
+    assert main(["verify", os.path.join(fixtures_dir, FIXTURE), "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "lm_head" in out and "model.layers.1.mlp (experts)" in out
+    assert "2.5/mul1" in out
+
+
+def test_verify_reports_a_bad_checkpoint(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "quant_method" in capsys.readouterr().err
+
+
+def test_demo_passes_and_reports_both_ops(capsys):
+    assert main(["demo", "--device", "cpu", "--tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "routed MoE" in out and "linear" in out and "PASS" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without a GPU")
+def test_bench_needs_a_gpu(capsys):
+    assert main(["bench"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
