@@ -1,0 +1,82 @@
+"""Time each launch of a fused MoE call separately (route pack, gate/up with and without the hidden split, down,
+combine) on a GPU, to find where the time goes. `--dry-run` executes every stage once on small CPU shapes."""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+from moe import SHAPES, random_layer, routings  # noqa: E402
+
+from exl3moe.kernels.moe_combine import moe_combine  # noqa: E402
+from exl3moe.kernels.moe_experts import moe_down, moe_gate_up  # noqa: E402
+from exl3moe.kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel  # noqa: E402
+from exl3moe.ops.moe import moe_plan  # noqa: E402
+
+
+def stages(runner, hidden, ids, weights, out):
+    """The launches of one chunk as separate callables, in call order (same arguments as MoERunner)."""
+    plan, ws, tables = runner.plan, runner._ws, runner.plan.tables
+    rows, top_k = ids.shape
+    E, slots = tables.num_experts, rows * top_k
+    max_blocks = route_pack_max_blocks(slots, E, plan.block_m)
+    block_expert, block_start = ws["block_expert"][:max_blocks], ws["block_start"][:max_blocks]
+    sorted_slots = ws["sorted_slots"][:slots]
+    route = (block_expert, block_start, ws["offsets"], sorted_slots)
+    return {
+        "route_pack": lambda: route_pack(ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert, block_start,
+                                         ws["num_blocks"], ws["route_workspace"][:route_pack_workspace_numel(slots, E)],
+                                         block_m=plan.block_m),
+        f"gate_up (splits {plan.gate_up_splits})": lambda: moe_gate_up(
+            hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True, plan.block_m, plan.decode_k,
+            partial=ws.get("gate_up_partial"), splits=plan.gate_up_splits),
+        "gate_up (no split)": lambda: moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True,
+                                                  plan.block_m, plan.decode_k),
+        "down": lambda: moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True, plan.block_m,
+                                 plan.decode_k),
+        "combine": lambda: moe_combine(ids, weights, ws["y"], None, out, E),
+    }
+
+
+def main(args):
+    device = "cpu" if args.dry_run else "cuda"
+    hidden_size, inter, E, top_k = (256, 128, 8, 2) if args.dry_run else SHAPES[args.shape]
+    gen = torch.Generator(device=device).manual_seed(0)
+    if args.dry_run:
+        from helpers import random_experts
+        layer = random_experts(E, hidden_size, inter, K=4, codebook="mcg")
+    else:
+        layer = random_layer(hidden_size, inter, E, [args.K], args.codebook, gen)
+    for T in ([3] if args.dry_run else args.tokens):
+        plan = moe_plan(layer, T, top_k)
+        runner = plan.bind(plan.allocate())
+        x = (torch.randn(T, hidden_size, device=device, generator=gen) * 0.03).half()
+        if args.dry_run:
+            ids = torch.randint(0, E, (T, top_k), generator=gen, dtype=torch.int32)
+            weights = torch.rand(T, top_k, generator=gen)
+        else:
+            ids, weights = routings(T, E, top_k, gen)[0]
+        out = torch.empty(T, hidden_size, device=device, dtype=torch.float16)
+        runner.run(x, ids, weights, out)
+        parts = stages(runner, x, ids, weights, out)
+        if args.dry_run:
+            for name, call in parts.items():
+                call()
+            print("dry run: every stage launched:", ", ".join(parts))
+            continue
+        from exl3moe.timing import time_graph
+        whole = time_graph([lambda: runner.run(x, ids, weights, out)], replays=20)
+        line = " ".join(f"{name} {time_graph([call], replays=20):7.1f}" for name, call in parts.items())
+        print(f"{args.shape} K{args.K} T={T:5d} whole {whole:8.1f} us | {line}", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
+    ap.add_argument("--K", type=float, default=4)
+    ap.add_argument("--codebook", default="mcg")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024])
+    ap.add_argument("--dry-run", action="store_true")
+    main(ap.parse_args())
