@@ -10,34 +10,24 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 from moe import SHAPES, random_layer, routings  # noqa: E402
 
-from exl3moe.kernels.moe_combine import moe_combine  # noqa: E402
-from exl3moe.kernels.moe_experts import moe_down, moe_gate_up  # noqa: E402
-from exl3moe.kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel  # noqa: E402
+from exl3moe.kernels.moe_experts import moe_gate_up  # noqa: E402
+from exl3moe.kernels.route_pack import route_pack_max_blocks  # noqa: E402
 from exl3moe.ops.moe import moe_plan  # noqa: E402
 
 
 def stages(runner, hidden, ids, weights, out):
-    """The launches of one chunk as separate callables, in call order (same arguments as MoERunner)."""
-    plan, ws, tables = runner.plan, runner._ws, runner.plan.tables
-    rows, top_k = ids.shape
-    E, slots = tables.num_experts, rows * top_k
-    max_blocks = route_pack_max_blocks(slots, E, plan.block_m)
-    block_expert, block_start = ws["block_expert"][:max_blocks], ws["block_start"][:max_blocks]
-    sorted_slots = ws["sorted_slots"][:slots]
-    route = (block_expert, block_start, ws["offsets"], sorted_slots)
-    return {
-        "route_pack": lambda: route_pack(ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert, block_start,
-                                         ws["num_blocks"], ws["route_workspace"][:route_pack_workspace_numel(slots, E)],
-                                         block_m=plan.block_m),
-        f"gate_up (splits {plan.gate_up_splits})": lambda: moe_gate_up(
-            hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True, plan.block_m, plan.decode_k,
-            partial=ws.get("gate_up_partial"), splits=plan.gate_up_splits),
-        "gate_up (no split)": lambda: moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True,
-                                                  plan.block_m, plan.decode_k),
-        "down": lambda: moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True, plan.block_m,
-                                 plan.decode_k),
-        "combine": lambda: moe_combine(ids, weights, ws["y"], None, out, E),
-    }
+    """The runner's launches of one chunk, plus gate/up without the hidden split for comparison."""
+    launches = runner.chunk_launches(hidden, ids, weights, out)
+    plan = runner.plan
+    if plan.gate_up_splits > 1:
+        tables, ws = plan.tables, runner._ws
+        slots = ids.numel()
+        max_blocks = route_pack_max_blocks(slots, tables.num_experts, plan.block_m)
+        route = (ws["block_expert"][:max_blocks], ws["block_start"][:max_blocks], ws["offsets"],
+                 ws["sorted_slots"][:slots])
+        launches["gate_up (no split)"] = lambda: moe_gate_up(hidden, ws["h_rot"], route, slots, ids.shape[1], tables,
+                                                             max_blocks, True, plan.block_m, plan.decode_k)
+    return launches
 
 
 def main(args):
@@ -69,6 +59,7 @@ def main(args):
         from exl3moe.timing import time_graph
         whole = time_graph([lambda: runner.run(x, ids, weights, out)], replays=20)
         line = " ".join(f"{name} {time_graph([call], replays=20):7.1f}" for name, call in parts.items())
+        line += f" (gate_up splits {plan.gate_up_splits})"
         print(f"{args.shape} K{args.K} T={T:5d} whole {whole:8.1f} us | {line}", flush=True)
 
 

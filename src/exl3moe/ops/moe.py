@@ -249,28 +249,42 @@ class MoERunner:
         return out
 
     def _run_chunk(self, hidden, topk_ids, topk_weights, out) -> None:
+        for launch in self.chunk_launches(hidden, topk_ids, topk_weights, out).values():
+            launch()
+
+    def chunk_launches(self, hidden, topk_ids, topk_weights, out) -> dict:
+        """The launches of one chunk, in call order, as named callables (run calls them all; probes time each)."""
         plan, ws, tables = self.plan, self._ws, self.plan.tables
         rows, top_k = topk_ids.shape
         E, slots = tables.num_experts, rows * top_k
         max_blocks = route_pack_max_blocks(slots, E, plan.block_m)
         block_expert, block_start = ws["block_expert"][:max_blocks], ws["block_start"][:max_blocks]
         sorted_slots = ws["sorted_slots"][:slots]
-        route_pack(topk_ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert, block_start,
-                   ws["num_blocks"], ws["route_workspace"][:route_pack_workspace_numel(slots, E)], block_m=plan.block_m)
         route = (block_expert, block_start, ws["offsets"], sorted_slots)
-        moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True, plan.block_m, plan.decode_k,
-                    partial=ws.get("gate_up_partial"), splits=plan.gate_up_splits)
-        moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True, plan.block_m, plan.decode_k)
+        launches = {
+            "route_pack": lambda: route_pack(topk_ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert,
+                                             block_start, ws["num_blocks"],
+                                             ws["route_workspace"][:route_pack_workspace_numel(slots, E)],
+                                             block_m=plan.block_m),
+            "gate_up": lambda: moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True,
+                                           plan.block_m, plan.decode_k, partial=ws.get("gate_up_partial"),
+                                           splits=plan.gate_up_splits),
+            "down": lambda: moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True, plan.block_m,
+                                     plan.decode_k),
+        }
         shared_y = None
         if plan.shared_tables is not None:
             unused = (ws["counts"],) * 4
             blocks = triton.cdiv(rows, plan.shared_block_m)
-            moe_gate_up(hidden, ws["shared_h_rot"], unused, rows, 1, plan.shared_tables, blocks, False,
-                        plan.shared_block_m, plan.decode_k)
-            moe_down(ws["shared_h_rot"], ws["shared_y"], unused, rows, plan.shared_tables, blocks, False,
-                     plan.shared_block_m, plan.decode_k)
+            launches["shared_gate_up"] = lambda: moe_gate_up(hidden, ws["shared_h_rot"], unused, rows, 1,
+                                                             plan.shared_tables, blocks, False, plan.shared_block_m,
+                                                             plan.decode_k)
+            launches["shared_down"] = lambda: moe_down(ws["shared_h_rot"], ws["shared_y"], unused, rows,
+                                                       plan.shared_tables, blocks, False, plan.shared_block_m,
+                                                       plan.decode_k)
             shared_y = ws["shared_y"]
-        moe_combine(topk_ids, topk_weights, ws["y"], shared_y, out, E)
+        launches["combine"] = lambda: moe_combine(topk_ids, topk_weights, ws["y"], shared_y, out, E)
+        return launches
 
 
 def _projection_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, proj: str, e: int) -> torch.Tensor:
