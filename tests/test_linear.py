@@ -147,3 +147,17 @@ def test_custom_tiles_are_accepted():
     w = random_weight(256, 256, 2, "mcg")
     plan = LinearPlan(w, 4, LinearTiles(128, 64, 2))
     assert plan.tiles.splits == 2 and plan.workspace_bytes > 0
+
+
+@pytest.mark.parametrize("K,codebook", [(4, "mcg"), (2.5, "mul1"), (3, "3inst")])
+def test_dense_weight_matches_float64(K, codebook):
+    from exl3moe.ops.linear import dense_weight
+
+    w = random_weight(256, 128, K, codebook, generator=torch.Generator().manual_seed(7))
+    ref = w.dense(torch.float64)
+    for dtype, limit in ((torch.float16, 1e-3), (torch.float32, 2e-5), (torch.bfloat16, 6e-3)):
+        got = dense_weight(w, dtype)
+        assert got.dtype == dtype and got.shape == (256, 128) and got.is_contiguous()
+        assert rel_l2(got, ref) < limit, (dtype, rel_l2(got, ref))
+    with pytest.raises(ContractError):
+        dense_weight(w, torch.int8)

@@ -102,11 +102,12 @@ def _decode_kernel(words_ptr, out_ptr, tiles_n, n, K2: tl.constexpr, CODEBOOK: t
     w = decode_block(words_ptr + first_tile.to(tl.int64) * (4 * K2), off_last, off_prev, shift, CODEBOOK, USE_ASM)
     rows = pid_k * BK + tl.arange(0, BK)
     cols = pid_n * BN + tl.arange(0, BN)
-    tl.store(out_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :], w)
+    tl.store(out_ptr + rows.to(tl.int64)[:, None] * n + cols[None, :], w.to(out_ptr.dtype.element_ty))
 
 
 def trellis_decode(trellis: torch.Tensor, K: float, codebook: str, out: torch.Tensor) -> torch.Tensor:
-    """Write W_inner (fp16 [k, n]) of a contiguous int16 trellis into `out`. No validation: ops validate."""
+    """Write W_inner [k, n] of a contiguous int16 trellis into `out` (fp16: exact; fp32 also exact; bf16 rounds).
+    No validation: ops validate."""
     tiles_k, tiles_n, _ = trellis.shape
     block_k = 16
     block_n = 64 if tiles_n % 4 == 0 else 16

@@ -184,6 +184,23 @@ def linear_torch(x2: torch.Tensor, w: EXL3Weight) -> torch.Tensor:
     return y + w.bias.float() if w.bias is not None else y
 
 
+def dense_weight(w: EXL3Weight, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The original-basis weight W [in, out] = diag(suh) Hk W_inner Hn diag(svh), computed in fp32, cast once.
+
+    For callers that multiply by a dense weight themselves (large batches through cuBLAS); allocates.
+    """
+    _check_weight(w)
+    if dtype not in OUTPUT_DTYPES:
+        raise ContractError("dtype", f"must be float16, bfloat16 or float32, got {dtype}")
+    if not use_triton(w.trellis):
+        return w.dense(torch.float32).to(dtype)
+    k, n = w.in_features, w.out_features
+    inner = trellis_decode(w.trellis, w.K, w.codebook, torch.empty(k, n, dtype=torch.float32, device=w.device))
+    right = hadamard128(inner, torch.empty(k, n, dtype=torch.float32, device=w.device), post=w.svh)
+    left = hadamard128(right.t().contiguous(), torch.empty(n, k, dtype=torch.float32, device=w.device), post=w.suh)
+    return left.t().to(dtype).contiguous()
+
+
 def linear_plan(w: EXL3Weight, max_rows: int, tiles: LinearTiles | None = None) -> LinearPlan:
     """Validate the weight and plan calls of up to `max_rows` rows."""
     return LinearPlan(w, max_rows, tiles)
