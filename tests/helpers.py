@@ -74,3 +74,25 @@ def random_stage(experts: ExpertSet, scales: torch.Tensor, K: float = 2, codeboo
 
     return ResidualStage(residuals(experts.gate), residuals(experts.up), residuals(experts.down),
                          scales.to(torch.float32))
+
+
+def load_moe_fixture(fixtures_dir: str, name: str) -> tuple:
+    """(tensors, metadata, ExpertSet) of an exllamav3 MoE fixture (`exllamav3_moe_mcg_k4`, `exllamav3_moe_mul1_k3`)."""
+    import os
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = os.path.join(fixtures_dir, name + ".safetensors")
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+    tensors = load_file(path)
+
+    def proj(e: int, key: str, scale_in: str, scale_out: str) -> EXL3Weight:
+        return EXL3Weight(tensors[f"e{e}.{key}"], tensors[f"e{e}.{scale_in}"], tensors[f"e{e}.{scale_out}"],
+                          meta["cb"], name=f"e{e}.{key}")
+
+    E = int(meta["E"])
+    experts = ExpertSet(*[[proj(e, k, i, o) for e in range(E)] for k, i, o in
+                          (("g", "gs", "gv"), ("u", "us", "uv"), ("d", "ds", "dv"))], meta["act"])
+    return tensors, meta, experts

@@ -6,13 +6,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors import safe_open
-from safetensors.torch import load_file
 
-from exl3moe import ContractError, EXL3Weight, ExpertSet, ResidualStage
+from exl3moe import ContractError, ExpertSet, ResidualStage
 from exl3moe.ops import MOE_ADDITIVE_ABI_VERSION, fused_experts, moe_plan
 from exl3moe.reference import moe
-from helpers import random_experts, random_stage, random_weight
+from helpers import load_moe_fixture, random_experts, random_stage, random_weight
 
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 6e-3, torch.float32: 2e-3}
 MIXED_K = [2, 3, 4, 5, 6, 8, 2.5, 1.5]
@@ -214,23 +212,9 @@ def test_random_layers_match_oracle(E, top_k, T, hidden, activation, seed):
         assert rel_l2(out, ref) < 2e-3
 
 
-def _fixture_experts(tensors: dict, meta: dict) -> ExpertSet:
-    def proj(e: int, key: str, scale_in: str, scale_out: str) -> EXL3Weight:
-        return EXL3Weight(tensors[f"e{e}.{key}"], tensors[f"e{e}.{scale_in}"], tensors[f"e{e}.{scale_out}"],
-                          meta["cb"], name=f"e{e}.{key}")
-
-    E = int(meta["E"])
-    return ExpertSet(*[[proj(e, k, i, o) for e in range(E)] for k, i, o in (("g", "gs", "gv"), ("u", "us", "uv"),
-                                                                            ("d", "ds", "dv"))], meta["act"])
-
-
 @pytest.mark.parametrize("name", ["exllamav3_moe_mcg_k4", "exllamav3_moe_mul1_k3"])
 def test_exllamav3_fixture(fixtures_dir, name):
-    path = os.path.join(fixtures_dir, name + ".safetensors")
-    with safe_open(path, "pt") as f:
-        meta = f.metadata()
-    t = load_file(path)
-    experts = _fixture_experts(t, meta)
+    t, meta, experts = load_moe_fixture(fixtures_dir, name)
     out = fused_experts(t["x"], experts, t["sel"], t["w"])
     check(out, t["x"], experts, t["sel"], t["w"])
     assert rel_l2(out, t["out"]) < 2e-3

@@ -5,14 +5,13 @@ import os
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file
 
 from exl3moe import ContractError, EXL3Weight, ExpertSet, FormatError, ResidualStage
 from exl3moe.format import decode
 from exl3moe.reference import linear, moe, route_pack_reference
 from exl3moe.reference.moe import GELU_TANH_COEF
-from helpers import random_experts, random_stage, random_weight
+from helpers import load_moe_fixture, random_experts, random_stage, random_weight
 from test_format import DECODE_TAGS, tag_tensors
 
 
@@ -76,23 +75,9 @@ def test_linear_contract():
 
 # ------------------------------------------------------------------------------------- MoE fixtures
 
-def _fixture_experts(tensors: dict, meta: dict) -> ExpertSet:
-    def proj(e: int, key: str, scale_in: str, scale_out: str) -> EXL3Weight:
-        return EXL3Weight(tensors[f"e{e}.{key}"], tensors[f"e{e}.{scale_in}"], tensors[f"e{e}.{scale_out}"],
-                          meta["cb"], name=f"e{e}.{key}")
-
-    E = int(meta["E"])
-    return ExpertSet([proj(e, "g", "gs", "gv") for e in range(E)], [proj(e, "u", "us", "uv") for e in range(E)],
-                     [proj(e, "d", "ds", "dv") for e in range(E)], meta["act"])
-
-
 @pytest.mark.parametrize("name", ["exllamav3_moe_mcg_k4", "exllamav3_moe_mul1_k3"])
 def test_moe_matches_exllamav3(fixtures_dir, name):
-    path = os.path.join(fixtures_dir, name + ".safetensors")
-    with safe_open(path, "pt") as f:
-        meta = f.metadata()
-    tensors = load_file(path)
-    experts = _fixture_experts(tensors, meta)
+    tensors, meta, experts = load_moe_fixture(fixtures_dir, name)
     assert (experts.num_experts, experts.hidden_size, experts.intermediate_size) == \
         (int(meta["E"]), int(meta["H"]), int(meta["I"]))
     assert all(w.K == float(meta["K"]) for w in experts.up)
