@@ -68,3 +68,23 @@ def test_graph_capture_and_replay_allocates_nothing():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, linear(x, w))
+
+
+ALL_RATES = [(K, cb) for cb in ("3inst", "mcg", "mul1") for K in range(1, 9)] + [(1.5, "mul1"), (2.5, "mul1"),
+                                                                                  (3.5, "mul1")]
+
+
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("K,codebook", ALL_RATES)
+def test_every_rate_on_both_backends(K, codebook, backend, monkeypatch):
+    monkeypatch.setenv("EXL3MOE_CUDA_KERNELS", "1" if backend == "cuda" else "0")
+    w = make_weight(1024, 512, K, codebook, seed=3)
+    plan = LinearPlan(w, 40)
+    assert (plan.mma is not None) == (backend == "cuda")
+    runner = plan.bind(plan.allocate())
+    x = torch.randn(40, 1024, device="cuda").half()
+    ref = x.double() @ w.dense(torch.float64) + w.bias.double()
+    for rows in (1, 17, 40):
+        out = torch.empty(rows, 512, device="cuda", dtype=torch.float16)
+        runner.run(x[:rows], out)
+        assert rel_l2(out, ref[:rows]) < 2e-3, (rows, rel_l2(out, ref[:rows]))

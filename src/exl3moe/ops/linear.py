@@ -9,9 +9,12 @@ import torch
 from ..errors import ContractError
 from ..format.hadamard import hadamard_blockwise
 from ..format.weight import EXL3Weight
+from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
+from ..kernels.trellis_mma import (counter_count, m_tiles, mma_kernel, plan_mma, rotate_input, rotate_kernel,
+                                   trellis_mma)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -114,10 +117,19 @@ class LinearPlan:
         self.tiles = tiles or plan_tiles(w.in_features, w.out_features, w.K)
         self.dense_path = max_rows > MAX_FUSED_ROWS
         k, n = w.in_features, w.out_features
-        splits = max(self.tiles.splits, 1)
+        # CUDA C++ fused path where it can run (compiled here, before any capture); Triton otherwise.
+        self.mma = plan_mma(k, n) if nvrtc.available(w.device) else None
+        if self.mma is not None:
+            for mt in (1, 2, 4, 8)[:(1, 2, 4, 8).index(m_tiles(min(max_rows, MAX_FUSED_ROWS))) + 1]:
+                mma_kernel(w.K, w.codebook, mt, w.device)
+            if max_rows > 16:
+                rotate_kernel(w.device)
+        splits = max(self.tiles.splits, self.mma.splits if self.mma is not None else 1)
         sizes = [(max_rows * k, torch.float16), (splits * max_rows * n, torch.float32)]
         if self.dense_path:
             sizes.append((k * n, torch.float16))
+        if self.mma is not None:
+            sizes.append((counter_count(n, max_rows), torch.int32))
         self._sizes = sizes
         self.workspace_bytes = sum(-(-numel * torch.empty((), dtype=dt).element_size() // _ALIGN) * _ALIGN
                                    for numel, dt in sizes)
@@ -133,7 +145,11 @@ class LinearPlan:
         for numel, dtype in self._sizes:
             view, offset = _carve(workspace, offset, numel, dtype)
             views.append(view)
-        return LinearRunner(self, *views)
+        counters = views.pop() if self.mma is not None else None
+        if counters is not None:
+            counters.zero_()
+        dense = views.pop() if self.dense_path else None
+        return LinearRunner(self, *views, dense=dense, counters=counters)
 
     def allocate(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.weight.device)
@@ -142,11 +158,13 @@ class LinearPlan:
 class LinearRunner:
     """A plan bound to a workspace. `run` launches kernels only: no allocation, no host sync."""
 
-    def __init__(self, plan: LinearPlan, xh: torch.Tensor, partials: torch.Tensor, dense: torch.Tensor | None = None):
+    def __init__(self, plan: LinearPlan, xh: torch.Tensor, partials: torch.Tensor, dense: torch.Tensor | None = None,
+                 counters: torch.Tensor | None = None):
         self.plan = plan
         self._xh = xh
         self._partials = partials
         self._dense = dense
+        self._counters = counters
 
     def run(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         w = self.plan.weight
@@ -162,6 +180,13 @@ class LinearRunner:
             return out
         k, n = w.in_features, w.out_features
         xh = self._xh[:rows * k].view(rows, k)
+        mma = self.plan.mma
+        if rows <= MAX_FUSED_ROWS and mma is not None:
+            partials = self._partials[:mma.splits * rows * n].view(mma.splits, rows, n)
+            if m_tiles(rows) > 1:
+                x2 = rotate_input(x2, w.suh, xh)
+            trellis_mma(x2, w, partials, self._counters, out2, mma)
+            return out
         hadamard128(x2, xh, pre=w.suh)
         t = self.plan.tiles
         if rows <= MAX_FUSED_ROWS:

@@ -1,0 +1,87 @@
+"""The EXL3 linear in one CUDA C++ launch (cuda/trellis_mma.cu): each lane decodes its mma.sync B fragments.
+
+Up to 16 rows the kernel also rotates x; above, x comes rotated (fp16) from the Hadamard kernel. Splits write
+fp32 partials and the last block of each 128-column group reduces them in split order and applies the output
+Hadamard, svh and bias. The k split depends on (k, n) only, so a row's bytes never depend on the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import nvrtc
+from .trellis_decode import CODEBOOK_ID
+
+WARPS = 4
+CHUNK_K = 128  # inputs per staged x chunk; splits are whole chunks
+TARGET_WARPS = 4096  # warps in flight at one row: enough loads outstanding to cover DRAM latency
+PREFETCH = 4
+
+
+@dataclass(frozen=True)
+class MmaTiles:
+    splits: int
+    ktiles_per_split: int
+
+
+def plan_mma(k: int, n: int, target_warps: int = TARGET_WARPS) -> MmaTiles:
+    """Split k in whole 128-input chunks so that (n / 32) x splits warps are in flight; no split is empty."""
+    chunks = k // CHUNK_K
+    splits = max(1, min(chunks, -(-target_warps // (n // 32))))
+    per_split = -(-chunks // splits)
+    return MmaTiles(-(-chunks // per_split), per_split * CHUNK_K // 16)
+
+
+def m_tiles(rows: int) -> int:
+    """m16 tiles per block: 1, 2, 4 or 8 (up to 128 rows)."""
+    mt = 1
+    while mt * 16 < rows and mt < 8:
+        mt *= 2
+    return mt
+
+
+def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, prefetch: int = PREFETCH,
+               nt: int | None = None):
+    """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
+    nt = nt or (2 if mt <= 2 else 1)
+    defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
+               ("WARPS", WARPS), ("FUSE_IN", int(mt == 1)))
+    return nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0), nt
+
+
+def rotate_kernel(device: torch.device):
+    defines = (("K2", 8), ("CB", 1), ("MT", 1), ("NT", 2), ("PF", PREFETCH), ("WARPS", WARPS), ("FUSE_IN", 1))
+    return nvrtc.kernel("trellis_mma.cu", "rotate_input", defines, device.index or 0)
+
+
+def rotate_input(x: torch.Tensor, suh: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
+    """xh [rows, k] fp16 = Hn128(x * suh), bit-identical to the kernel's own rotation of up to 16 rows."""
+    rows, k = x.shape
+    func = rotate_kernel(x.device)
+    nvrtc.launch(func, (-(-k // 512), rows, 1), 128, [x, int(x.dtype == torch.bfloat16), suh, xh, k, x.stride(0)])
+    return xh
+
+
+def counter_count(n: int, max_rows: int) -> int:
+    """int32 arrival counters the kernel needs (zeroed once; the kernel resets each after use)."""
+    return (n // 128) * -(-min(max_rows, 128) // 16)
+
+
+OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
+                tiles: MmaTiles, prefetch: int = PREFETCH, nt: int | None = None) -> torch.Tensor:
+    """out [rows, n] = Hn(x_rot @ W_inner) * svh + bias, x_rot = Hn(x * suh) rotated here when rows <= 16,
+    else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch."""
+    rows, k = x.shape
+    tiles_n = w.trellis.shape[1]
+    mt = m_tiles(rows)
+    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, prefetch, nt)
+    grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
+    nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,
+                                          out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16, tiles_n, k // 16,
+                                          tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits])
+    return out

@@ -1,0 +1,36 @@
+"""CPU checks of the CUDA C++ linear's planning: splits from (k, n) only, whole chunks, no empty split."""
+
+from importlib import resources
+
+import pytest
+import torch
+
+from exl3moe.kernels import nvrtc
+from exl3moe.kernels.trellis_mma import CHUNK_K, counter_count, m_tiles, plan_mma
+
+
+@pytest.mark.parametrize("k,n", [(128, 128), (768, 2048), (2048, 768), (4096, 14336), (14336, 4096), (1408, 4096)])
+@pytest.mark.parametrize("target", [1, 1024, 4096, 1 << 20])
+def test_splits_cover_k_in_whole_chunks(k, n, target):
+    m = plan_mma(k, n, target)
+    ktiles = k // 16
+    assert m.ktiles_per_split % (CHUNK_K // 16) == 0
+    assert (m.splits - 1) * m.ktiles_per_split < ktiles <= m.splits * m.ktiles_per_split
+
+
+def test_m_tiles_cover_rows_up_to_128():
+    for rows in range(1, 129):
+        mt = m_tiles(rows)
+        assert mt in (1, 2, 4, 8) and mt * 16 >= rows and (mt == 1 or mt * 8 < rows)
+
+
+def test_counters_cover_every_row_block():
+    assert counter_count(14336, 1) == 112
+    assert counter_count(2048, 128) == 16 * 8
+    assert counter_count(2048, 4096) == 16 * 8
+
+
+def test_cuda_source_is_packaged_and_cpu_tensors_do_not_use_it():
+    source = resources.files("exl3moe.kernels").joinpath("cuda", "trellis_mma.cu").read_text()
+    assert "extern \"C\" __global__" in source and "trellis_mma(" in source and "rotate_input(" in source
+    assert not nvrtc.available(torch.device("cpu"))
