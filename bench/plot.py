@@ -44,7 +44,7 @@ def plot_linear(doc):
 def plot_moe(doc):
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for ax, shape in zip(axes, ("qwen3-30b-a3b", "glm-4.5-air")):
-        res = [r for r in doc["results"] if r["shape"] == shape]
+        res = [r for r in doc["results"] if r["shape"] == shape and "stages" not in r]
         for K in dict.fromkeys(r["K"] for r in res):
             sel = [r for r in res if r["K"] == K]
             ax.plot([r["tokens"] for r in sel], [r["us"] for r in sel], "o-", label=f"exl3moe K={K}")
@@ -56,10 +56,25 @@ def plot_moe(doc):
     fig.savefig(os.path.join(HERE, "moe_h200.png"), dpi=110, bbox_inches="tight")
 
 
+SHOWN_SHAPES = ((4096, 14336), (2048, 768), (4096, 1408), (1408, 4096))
+
+
+def stage_table(doc):
+    res = [r for r in doc["results"] if "stages" in r]
+    base = {r["tokens"]: r["us"] for r in res if r["stages"] == "base"}
+    out = ["| tokens | base us | zero-stage us | K2 stage on all experts us | on a quarter us |", "|---|---|---|---|---|"]
+    for T in sorted(base):
+        row = {r["stages"]: r["us"] for r in res if r["tokens"] == T}
+        out.append(f"| {T} | {row['base']} | {row['zero-stage']} ({row['zero-stage'] / row['base']:.2f}x) | "
+                   f"{row['k2-all']} ({row['k2-all'] / row['base']:.2f}x) | "
+                   f"{row['k2-quarter']} ({row['k2-quarter'] / row['base']:.2f}x) |")
+    return "\n".join(out)
+
+
 def linear_table(doc):
     out = ["| shape | codebook | K | rows | exl3moe us | fp16 us | ratio | exllamav3 us |", "|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
-        if r["K"] == 4 and r["codebook"] in ("mcg", "mul1") and (r["k"], r["n"]) in ((4096, 14336), (2048, 768)):
+        if r["K"] == 4 and r["codebook"] in ("mcg", "mul1") and (r["k"], r["n"]) in SHOWN_SHAPES:
             ex = EXL3_LINEAR.get((r["k"], r["n"], r["codebook"], 4), {}).get(r["rows"], "")
             out.append(f"| {r['k']}x{r['n']} | {r['codebook']} | 4 | {r['rows']} | {r['us']} | {r['fp16_us']} | "
                        f"{r['us'] / r['fp16_us']:.2f} | {ex} |")
@@ -69,7 +84,7 @@ def linear_table(doc):
 def moe_table(doc):
     out = ["| shape | K | tokens | exl3moe us | bf16 grouped_mm us | exllamav3 K4 us |", "|---|---|---|---|---|---|"]
     for r in doc["results"]:
-        if r["K"] == 4:
+        if r["K"] == 4 and "stages" not in r:
             out.append(f"| {r['shape']} | 4 | {r['tokens']} | {r['us']} | {r['bf16_us']} | "
                        f"{EXL3_MOE[r['shape']].get(r['tokens'], 'n/a')} |")
     return "\n".join(out)
@@ -83,3 +98,5 @@ if __name__ == "__main__":
         print(linear_table(lin))
         print()
         print(moe_table(moe))
+        print()
+        print(stage_table(moe))
