@@ -34,3 +34,9 @@ def test_cuda_source_is_packaged_and_cpu_tensors_do_not_use_it():
     source = resources.files("exl3moe.kernels").joinpath("cuda", "trellis_mma.cu").read_text()
     assert "extern \"C\" __global__" in source and "trellis_mma(" in source and "rotate_input(" in source
     assert not nvrtc.available(torch.device("cpu"))
+
+
+def test_rotation_fusion_depends_on_rows_and_shape_only():
+    from exl3moe.kernels.trellis_mma import fuses_rotation
+    assert fuses_rotation(16, 2048, 768) and not fuses_rotation(17, 2048, 768)
+    assert fuses_rotation(4, 4096, 14336) and not fuses_rotation(5, 4096, 14336)

@@ -1,7 +1,7 @@
 """The EXL3 linear in one CUDA C++ launch (cuda/trellis_mma.cu): each lane decodes its mma.sync B fragments.
 
-Up to 16 rows the kernel also rotates x; above, x comes rotated (fp16) from the Hadamard kernel. Splits write
-fp32 partials and the last block of each 128-column group reduces them in split order and applies the output
+For few rows the kernel also rotates x (fuses_rotation); above, x comes rotated (fp16) from rotate_input.
+Splits write fp32 partials and the last block of each 128-column group reduces them in split order and applies the output
 Hadamard, svh and bias. The k split depends on (k, n) only, so a row's bytes never depend on the batch.
 """
 
@@ -18,6 +18,9 @@ WARPS = 4
 CHUNK_K = 128  # inputs per staged x chunk; splits are whole chunks
 TARGET_WARPS = 4096  # warps in flight at one row: enough loads outstanding to cover DRAM latency
 PREFETCH = 4
+# Rows up to which the matmul kernel rotates x itself (above, rotate_input does, one launch more): small
+# weights are launch-bound, large ones pay for rotating many rows in every block.
+FUSED_ROTATION_ROWS_SMALL, FUSED_ROTATION_ROWS_LARGE, SMALL_WEIGHT = 16, 4, 1 << 24
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,17 @@ def m_tiles(rows: int) -> int:
     return mt
 
 
+def fuses_rotation(rows: int, k: int, n: int) -> bool:
+    """Depends on (k, n) and rows only; both ways give the same bytes."""
+    return rows <= (FUSED_ROTATION_ROWS_SMALL if k * n < SMALL_WEIGHT else FUSED_ROTATION_ROWS_LARGE)
+
+
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, prefetch: int = PREFETCH,
-               nt: int | None = None):
+               nt: int | None = None, fuse_in: bool | None = None):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
     nt = nt or (2 if mt <= 2 else 1)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
-               ("WARPS", WARPS), ("FUSE_IN", int(mt == 1)))
+               ("WARPS", WARPS), ("FUSE_IN", int(mt == 1 if fuse_in is None else fuse_in)))
     return nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0), nt
 
 
@@ -74,12 +82,12 @@ OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
                 tiles: MmaTiles, prefetch: int = PREFETCH, nt: int | None = None) -> torch.Tensor:
-    """out [rows, n] = Hn(x_rot @ W_inner) * svh + bias, x_rot = Hn(x * suh) rotated here when rows <= 16,
-    else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch."""
+    """out [rows, n] = Hn(x_rot @ W_inner) * svh + bias, x_rot = Hn(x * suh) rotated here when
+    fuses_rotation(rows, k, n), else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch."""
     rows, k = x.shape
     tiles_n = w.trellis.shape[1]
     mt = m_tiles(rows)
-    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, prefetch, nt)
+    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, prefetch, nt, fuses_rotation(rows, k, tiles_n * 16))
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,
                                           out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16, tiles_n, k // 16,

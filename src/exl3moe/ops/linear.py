@@ -13,8 +13,8 @@ from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
-from ..kernels.trellis_mma import (counter_count, m_tiles, mma_kernel, plan_mma, rotate_input, rotate_kernel,
-                                   trellis_mma)
+from ..kernels.trellis_mma import (counter_count, fuses_rotation, m_tiles, mma_kernel, plan_mma, rotate_input,
+                                   rotate_kernel, trellis_mma)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -121,8 +121,10 @@ class LinearPlan:
         self.mma = plan_mma(k, n) if nvrtc.available(w.device) else None
         if self.mma is not None:
             for mt in (1, 2, 4, 8)[:(1, 2, 4, 8).index(m_tiles(min(max_rows, MAX_FUSED_ROWS))) + 1]:
-                mma_kernel(w.K, w.codebook, mt, w.device)
-            if max_rows > 16:
+                for fuse_in in (True, False) if mt == 1 else (False,):
+                    if fuse_in or not fuses_rotation(min(max_rows, 16), k, n):
+                        mma_kernel(w.K, w.codebook, mt, w.device, fuse_in=fuse_in)
+            if not fuses_rotation(max_rows, k, n):
                 rotate_kernel(w.device)
         splits = max(self.tiles.splits, self.mma.splits if self.mma is not None else 1)
         sizes = [(max_rows * k, torch.float16), (splits * max_rows * n, torch.float32)]
@@ -183,7 +185,7 @@ class LinearRunner:
         mma = self.plan.mma
         if rows <= MAX_FUSED_ROWS and mma is not None:
             partials = self._partials[:mma.splits * rows * n].view(mma.splits, rows, n)
-            if m_tiles(rows) > 1:
+            if not fuses_rotation(rows, k, n):
                 x2 = rotate_input(x2, w.suh, xh)
             trellis_mma(x2, w, partials, self._counters, out2, mma)
             return out
