@@ -1,8 +1,8 @@
 """The EXL3 linear in one CUDA C++ launch (cuda/trellis_mma.cu): each lane decodes its mma.sync B fragments.
 
 For few rows the kernel also rotates x (fuses_rotation); above, x comes rotated (fp16) from rotate_input.
-Splits write fp32 partials and the last block of each 128-column group reduces them in split order and applies the output
-Hadamard, svh and bias. The k split depends on (k, n) only, so a row's bytes never depend on the batch.
+Splits write fp32 partials and the last block of each 128-column group reduces them in split order and
+applies the output Hadamard, svh and bias. The k split depends on (k, n) only, so a row's bytes never depend on the batch.
 """
 
 from __future__ import annotations
