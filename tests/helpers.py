@@ -96,3 +96,18 @@ def load_moe_fixture(fixtures_dir: str, name: str) -> tuple:
     experts = ExpertSet(*[[proj(e, k, i, o) for e in range(E)] for k, i, o in
                           (("g", "gs", "gv"), ("u", "us", "uv"), ("d", "ds", "dv"))], meta["act"])
     return tensors, meta, experts
+
+
+def capture_allocation_free(call, scratch):
+    """Capture `call` into a CUDA graph (after a warm-up capture that touches `scratch`), assert that capturing
+    allocated nothing, and return the graph."""
+    torch.cuda.synchronize()
+    warm_up = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(warm_up):
+        scratch.add_(0)
+    before = torch.cuda.memory_allocated()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    assert torch.cuda.memory_allocated() == before
+    return graph

@@ -5,6 +5,7 @@ import torch
 
 from exl3moe import EXL3Weight
 from exl3moe.ops.linear import LinearPlan, linear
+from helpers import capture_allocation_free
 
 pytestmark = pytest.mark.gpu
 
@@ -54,15 +55,7 @@ def test_graph_capture_and_replay_allocates_nothing():
     x = torch.randn(37, 4096, device="cuda").half()
     out = torch.empty(37, 1408, device="cuda", dtype=torch.float16)
     runner.run(x, out)
-    torch.cuda.synchronize()
-    warm_up = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(warm_up):
-        out.add_(0)
-    graph = torch.cuda.CUDAGraph()
-    before = torch.cuda.memory_allocated()
-    with torch.cuda.graph(graph):
-        runner.run(x, out)
-    assert torch.cuda.memory_allocated() == before
+    graph = capture_allocation_free(lambda: runner.run(x, out), out)
     x.copy_(torch.randn(37, 4096, device="cuda").half())
     out.fill_(float("nan"))
     graph.replay()
