@@ -40,3 +40,21 @@ def test_rotation_fusion_depends_on_rows_and_shape_only():
     from exl3moe.kernels.trellis_mma import fuses_rotation
     assert fuses_rotation(16, 2048, 768) and not fuses_rotation(17, 2048, 768)
     assert fuses_rotation(4, 4096, 14336) and not fuses_rotation(5, 4096, 14336)
+
+
+def test_moe_mma_layout_indexes_every_projection_variant():
+    from helpers import random_experts
+
+    from exl3moe.kernels.moe_mma import _dispatch, moe_mma_layout
+
+    experts = random_experts(6, 256, 384, K=[4, 2.5, 4, 3, 4, 2.5],
+                             codebook=["mcg", "mul1", "3inst", "mul1", "mcg", "mul1"])
+    plan = moe_mma_layout(experts, max_slots=8)
+    for p, proj in enumerate(("gate", "up", "down")):
+        variants = plan.down_variants if proj == "down" else plan.gate_up_variants
+        for e, w in enumerate(getattr(experts, proj)):
+            assert variants[int(plan.variant[p, e])] == (int(w.K * 2), {"3inst": 0, "mcg": 1, "mul1": 2}[w.codebook])
+    assert plan.gate_up_ktiles % 8 == 0 and (plan.gate_up_splits - 1) * plan.gate_up_ktiles < 256 // 16
+    assert plan.down_ktiles % 8 == 0 and (plan.down_splits - 1) * plan.down_ktiles < 384 // 16
+    text = _dispatch("DISPATCH_DOWN", plan.down_variants)
+    assert all(f"mma_mainloop<{k2}, {cb}," in text for k2, cb in plan.down_variants)

@@ -58,14 +58,25 @@ def compile_cubin(source: str, defines: dict, arch: str) -> bytes:
     return cubin
 
 
+def source(file: str) -> str:
+    """kernels/cuda/`file` with its `#include "local.cuh"` lines replaced by those files' text."""
+    lines = []
+    for line in resources.files(__package__).joinpath("cuda", file).read_text().splitlines():
+        if line.startswith('#include "'):
+            lines.append(source(line.split('"')[1]))
+        elif line.strip() != "#pragma once":
+            lines.append(line)
+    return "\n".join(lines)
+
+
 @functools.lru_cache(maxsize=None)
-def kernel(file: str, name: str, defines: tuple, device_index: int):
-    """The CUfunction `name` of kernels/cuda/`file` compiled with `defines` ((key, value), ...), cached."""
+def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str = ""):
+    """The CUfunction `name` of kernels/cuda/`file` compiled with `defines` ((key, value), ...) and `prelude`
+    (source text placed first), cached."""
     driver, _ = _bindings()
     torch.cuda.synchronize(device_index)
     major, minor = torch.cuda.get_device_capability(device_index)
-    source = resources.files(__package__).joinpath("cuda", file).read_text()
-    cubin = compile_cubin(source, dict(defines), f"sm_{major}{minor}")
+    cubin = compile_cubin(prelude + source(file), dict(defines), f"sm_{major}{minor}")
     module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
     return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 

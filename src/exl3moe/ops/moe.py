@@ -27,7 +27,9 @@ from ..errors import ContractError
 from ..format.experts import ExpertSet, check_shared
 from ..format.hadamard import hadamard_blockwise
 from ..kernels.moe_combine import moe_combine
+from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
+from ..kernels.moe_mma import moe_down_mma, moe_gate_up_mma, plan_moe_mma, supported, workspace_numels
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from ..reference.moe import activate
@@ -127,7 +129,16 @@ class MoEPlan:
             ("offsets", E + 2, torch.int32), ("num_blocks", 1, torch.int32),
             ("route_workspace", route_pack_workspace_numel(S, E), torch.int32),
         ]
-        if self.gate_up_splits > 1:
+        # CUDA C++ experts where they can run (compiled here, before any capture); the Triton kernels otherwise.
+        cuda = nvrtc.available(self.device) and supported(experts, self.tables, self.block_m)
+        self.mma = plan_moe_mma(experts, max_tokens * top_k) if cuda else None
+        if self.mma is not None:
+            sizes = workspace_numels(self.mma, S, max_blocks, H, I)
+            self._layout += [("mma_gate_up_partial", sizes["gate_up_partial"], torch.float32),
+                             ("mma_down_partial", sizes["down_partial"], torch.float32),
+                             ("mma_counters", sizes["counters"], torch.int32)]
+            self.mma_down_counters_at = max_blocks * (I // 128)
+        elif self.gate_up_splits > 1:
             self._layout.append(("gate_up_partial", self.gate_up_splits * 2 * S * I, torch.float32))
         if shared is not None:
             self._layout += [("shared_h_rot", self.chunk_tokens * shared.intermediate_size, torch.float16),
@@ -149,6 +160,8 @@ class MoEPlan:
             size = numel * _itemsize(dtype)
             views[name] = workspace[offset:offset + size].view(dtype)
             offset += _padded_bytes(numel, dtype)
+        if "mma_counters" in views:
+            views["mma_counters"].zero_()
         return MoERunner(self, views)
 
     def allocate(self) -> torch.Tensor:
@@ -272,6 +285,14 @@ class MoERunner:
             "down": lambda: moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True, plan.block_m,
                                      plan.decode_k),
         }
+        if plan.mma is not None:
+            counters, split = ws["mma_counters"], plan.mma_down_counters_at
+            capacity = plan.slot_capacity
+            launches["gate_up"] = lambda: moe_gate_up_mma(hidden, ws["h_rot"], route, top_k, tables, plan.experts,
+                                                          plan.mma, ws["mma_gate_up_partial"], counters[:split],
+                                                          max_blocks, capacity)
+            launches["down"] = lambda: moe_down_mma(ws["h_rot"], ws["y"], route, tables, plan.mma,
+                                                    ws["mma_down_partial"], counters[split:], max_blocks, capacity)
         shared_y = None
         if plan.shared_tables is not None:
             unused = (ws["counts"],) * 4

@@ -1,0 +1,265 @@
+// Shared device code of the CUDA C++ kernels: trellis decode into mma.sync m16n8k16 B fragments, MMA and
+// ldmatrix wrappers, fp16/bf16 conversions and the warp-wide 128-point Hadamard.
+#pragma once
+
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+constexpr int XS = 136;                    // smem row stride of the x chunk (halves): conflict-free ldmatrix
+constexpr int CHUNK = 8;                   // k-tiles per staged x chunk (128 inputs)
+
+__device__ __forceinline__ u32 lop3_mask_xor(u32 x) {
+    u32 r;
+    asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(r) : "r"(x), "r"(0x8fff8fffu), "r"(0x3b603b60u));
+    return r;
+}
+
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+    return r;
+}
+
+// Codebook values of states s0, s1 as an f16x2 (s0 in the low half).
+template <int CB_>
+__device__ __forceinline__ u32 decode_pair(u32 s0, u32 s1) {
+    if constexpr (CB_ == 2) {
+    u32 x0 = s0 * 0x83DCD12Du, x1 = s1 * 0x83DCD12Du, h0, h1, r;
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(h0) : "r"(x0), "r"(0x01010101u), "r"(0x6400u));
+    asm("dp4a.u32.u32 %0, %1, %2, %3;" : "=r"(h1) : "r"(x1), "r"(0x01010101u), "r"(0x6400u));
+    asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(prmt(h0, h1, 0x5410)), "r"(0x1EEE1EEEu), "r"(0xC931C931u));
+    return r;
+    } else {
+    u32 x0 = CB_ == 0 ? s0 * 89226354u + 64248484u : s0 * 0xCBAC1FEDu;
+    u32 x1 = CB_ == 0 ? s1 * 89226354u + 64248484u : s1 * 0xCBAC1FEDu;
+    x0 = lop3_mask_xor(x0);
+    x1 = lop3_mask_xor(x1);
+    u32 r;
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(prmt(x0, x1, 0x5410)), "r"(prmt(x0, x1, 0x7632)));
+    return r;
+    }
+}
+
+// Bits [B, B + 16) of the big-endian bit string s[0] s[1] ... as a 16-bit state.
+template <int B>
+__device__ __forceinline__ u32 window(const u32* s) {
+    constexpr int wi = B >> 5, off = B & 31;
+    if constexpr (off <= 16) {
+        return (s[wi] >> (16 - off)) & 0xffffu;
+    } else {
+        return __funnelshift_r(s[wi + 1], s[wi], 48 - off) & 0xffffu;
+    }
+}
+
+// Tile geometry and decode of one (2K, codebook): lane l reads the bits of positions 8l..8l+7.
+template <int K2_, int CB_>
+struct Trellis {
+    static constexpr int WT = 4 * K2_;                 // 32-bit words per 16x16 tile
+    static constexpr int RING = 128 * K2_;             // ring bits per tile
+    static constexpr int S0 = K2_ / 2;                 // S(0): end bit of position 0
+    static constexpr int SPAN = (8 * K2_) / 2 - S0 + 16;   // bits a lane reads: windows of its 8 positions
+    static constexpr bool ALIGNED = (K2_ % 8) == 0;    // the lane's first bit sits at the same offset for every lane
+    static constexpr int SH = ((S0 - 16) % 32 + 32) % 32;
+    static constexpr int NW = ALIGNED ? (SH + SPAN + 31) / 32 : (31 + SPAN + 31) / 32;   // words loaded per tile
+
+    template <int Q>
+    __device__ static __forceinline__ u32 state_of(const u32* s) {
+        constexpr int start = ((Q + 1) * K2_) / 2 - S0 + (ALIGNED ? SH : 0);
+        return window<start>(s);
+    }
+
+    // First ring bit of this lane's windows (biased by one ring so it is never negative).
+    __device__ static __forceinline__ int first_bit(int lane) { return 4 * lane * K2_ + S0 - 16 + RING; }
+
+    // The lane's 8 codebook values as 4 f16x2: B fragments {b[0], b[1]} of columns 0..7, {b[2], b[3]} of 8..15.
+    __device__ static __forceinline__ void decode_tile(const u32 (&w)[NW], u32 sh, u32 (&b)[4]) {
+        u32 s[NW];
+        if constexpr (ALIGNED) {
+#pragma unroll
+            for (int i = 0; i < NW; i++) s[i] = w[i];
+        } else {
+#pragma unroll
+            for (int i = 0; i + 1 < NW; i++) s[i] = __funnelshift_l(w[i + 1], w[i], sh);
+            s[NW - 1] = w[NW - 1] << sh;
+        }
+        b[0] = decode_pair<CB_>(state_of<0>(s), state_of<1>(s));
+        b[1] = decode_pair<CB_>(state_of<2>(s), state_of<3>(s));
+        b[2] = decode_pair<CB_>(state_of<4>(s), state_of<5>(s));
+        b[3] = decode_pair<CB_>(state_of<6>(s), state_of<7>(s));
+    }
+};
+
+__device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                 "{%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&a)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3]) : "r"(addr));
+}
+
+constexpr float INV_SQRT_128 = 0.08838834764831845f;
+
+__device__ __forceinline__ float half_to_float(unsigned short h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ unsigned short float_to_half(float f) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ unsigned short float_to_bf16(float f) {
+    unsigned short h;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+__device__ __forceinline__ float input_to_float(unsigned short v, int is_bf16) {
+    return is_bf16 ? __uint_as_float((u32)v << 16) : half_to_float(v);
+}
+
+// Unnormalised 128-point Hadamard of a row held as v[j] = element 4 lane + j, across one warp.
+__device__ __forceinline__ void hadamard128_warp(float (&v)[4], int lane) {
+    float a0 = v[0] + v[1], a1 = v[0] - v[1], a2 = v[2] + v[3], a3 = v[2] - v[3];
+    v[0] = a0 + a2; v[1] = a1 + a3; v[2] = a0 - a2; v[3] = a1 - a3;
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+        const bool upper = lane & m;
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            const float other = __shfl_xor_sync(0xffffffffu, v[j], m);
+            v[j] = upper ? other - v[j] : v[j] + other;
+        }
+    }
+}
+
+// Block-wide k loop over k-tiles [kt0, kt1) (whole chunks of CHUNK): before each chunk, stage(c0) fills xs
+// (16 MT_ rows x 128 inputs, fp16, row stride XS) between barriers; each warp multiplies it by its NT_ n16 tiles
+// of W_inner from tile column jt0, prefetching PF_ k-tiles of trellis words. acc += xs @ W.
+template <int K2_, int CB_, int MT_, int NT_, int PF_, class Stage>
+__device__ __forceinline__ void mma_mainloop(float (&acc)[MT_][NT_][2][4], const u32* __restrict__ words, int tiles_n,
+                                             int jt0, int kt0, int kt1, const unsigned short* xs, Stage&& stage) {
+    using T = Trellis<K2_, CB_>;
+    const int lane = threadIdx.x & 31;
+    // This lane's word pointers inside the first tile of its column, and the shift that aligns its first bit.
+    const int first_bit = T::first_bit(lane);
+    const u32 sh = first_bit & 31;
+    const size_t k_stride = (size_t)tiles_n * T::WT;
+    const u32* ptr[T::NW];
+#pragma unroll
+    for (int i = 0; i < T::NW; i++)
+        ptr[i] = words + (size_t)jt0 * T::WT + ((first_bit >> 5) + i) % T::WT + kt0 * k_stride;
+
+    // Split ranges are whole chunks, so every k-tile of the loop exists; prefetches past the end re-read the last.
+    u32 buf[PF_][NT_][T::NW];
+#pragma unroll
+    for (int p = 0; p < PF_; p++) {
+#pragma unroll
+        for (int nt = 0; nt < NT_; nt++)
+#pragma unroll
+            for (int i = 0; i < T::NW; i++) buf[p][nt][i] = __ldg(ptr[i] + nt * T::WT);
+        if (kt0 + p + 1 < kt1) {
+#pragma unroll
+            for (int i = 0; i < T::NW; i++) ptr[i] += k_stride;
+        }
+    }
+    const u32 xs_lane = (u32)__cvta_generic_to_shared(xs + (lane & 15) * XS + (lane >> 4) * 8);
+
+    for (int c0 = kt0; c0 < kt1; c0 += CHUNK) {
+        __syncthreads();
+        stage(c0);
+        __syncthreads();
+#pragma unroll
+        for (int s = 0; s < CHUNK; s++) {
+            const int slot = s % PF_;
+            u32 a[MT_][4];
+#pragma unroll
+            for (int mt = 0; mt < MT_; mt++) ldmatrix_x4(a[mt], xs_lane + (mt * 16 * XS + s * 16) * 2);
+#pragma unroll
+            for (int nt = 0; nt < NT_; nt++) {
+                u32 b[4];
+                T::decode_tile(buf[slot][nt], sh, b);
+#pragma unroll
+                for (int mt = 0; mt < MT_; mt++) {
+                    mma16816(acc[mt][nt][0], a[mt], b[0], b[1]);
+                    mma16816(acc[mt][nt][1], a[mt], b[2], b[3]);
+                }
+            }
+#pragma unroll
+            for (int nt = 0; nt < NT_; nt++)
+#pragma unroll
+                for (int i = 0; i < T::NW; i++) buf[slot][nt][i] = __ldg(ptr[i] + nt * T::WT);
+            if (c0 + s + PF_ + 1 < kt1) {
+#pragma unroll
+                for (int i = 0; i < T::NW; i++) ptr[i] += k_stride;
+            }
+        }
+    }
+}
+
+template <int MT_, int NT_>
+__device__ __forceinline__ void zero_acc(float (&acc)[MT_][NT_][2][4]) {
+#pragma unroll
+    for (int mt = 0; mt < MT_; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT_; nt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mt][nt][h][e] = 0.f;
+}
+
+// Rows [0, rows) of the warp's accumulators to base[r * row_stride + col] (fp32, through L2 for the reducer).
+template <int MT_, int NT_>
+__device__ __forceinline__ void store_partials(const float (&acc)[MT_][NT_][2][4], float* base, int row_stride,
+                                               int rows, int jt0) {
+    const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT_; mt++)
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = mt * 16 + g + 8 * half;
+            if (r < rows) {
+#pragma unroll
+                for (int nt = 0; nt < NT_; nt++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int col = (jt0 + nt) * 16 + h * 8 + 2 * t4;
+                        __stcg(reinterpret_cast<float2*>(base + (size_t)r * row_stride + col),
+                               make_float2(acc[mt][nt][h][2 * half], acc[mt][nt][h][2 * half + 1]));
+                    }
+            }
+        }
+}
+
+// True in every thread of the block that is the last of `arrivals` to reach *counter (which it resets to 0);
+// its later reads see every earlier arrival's partials.
+__device__ __forceinline__ bool last_arrival(int* counter, int arrivals) {
+    __shared__ int is_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const int seen = atomicAdd(counter, 1);
+        is_last = seen == arrivals - 1;
+        if (is_last) *counter = 0;
+    }
+    __syncthreads();
+    const bool last = is_last;
+    if (last) __threadfence();
+    return last;
+}
+
+// v[j] += sum over s < splits, in order, of p[s * split_stride + j] (4 consecutive fp32, read through L2).
+__device__ __forceinline__ void add_splits(float (&v)[4], const float* p, size_t split_stride, int splits) {
+    for (int s = 0; s < splits; s++) {
+        const float4 q = __ldcg(reinterpret_cast<const float4*>(p + s * split_stride));
+        v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
+    }
+}
