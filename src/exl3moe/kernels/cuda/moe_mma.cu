@@ -24,6 +24,16 @@ __device__ __forceinline__ float activate(float g, float u, int activation, int 
     return a * u;
 }
 
+// Expert, first sorted position and row count (<= 16) of route block b; false for an unused block.
+__device__ __forceinline__ bool route_block(int b, const int* block_expert, const int* block_start, const int* offsets,
+                                            int& expert, int& start, int& nrows) {
+    expert = block_expert[b];
+    if (expert < 0) return false;
+    start = block_start[b];
+    nrows = min(16, offsets[expert + 1] - start);
+    return true;
+}
+
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, const int* __restrict__ block_expert,
                 const int* __restrict__ block_start, const int* __restrict__ offsets,
@@ -34,11 +44,9 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 int splits, int activation, int has_limit, float limit) {
     __shared__ __align__(16) unsigned short xs[16 * XS];
     const int b = blockIdx.x;
-    const int expert = block_expert[b];
-    if (expert < 0) return;
+    int expert, start, nrows;
+    if (!route_block(b, block_expert, block_start, offsets, expert, start, nrows)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int start = block_start[b];
-    const int nrows = min(16, offsets[expert + 1] - start);
     const int proj = blockIdx.y & 1, cblock = blockIdx.y >> 1;
     const int index = proj * num_experts + expert;
     const u32* words = reinterpret_cast<const u32*>(trellis_addr[index]);
@@ -101,11 +109,9 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
              int splits) {
     __shared__ __align__(16) unsigned short xs[16 * XS];
     const int b = blockIdx.x;
-    const int expert = block_expert[b];
-    if (expert < 0) return;
+    int expert, start, nrows;
+    if (!route_block(b, block_expert, block_start, offsets, expert, start, nrows)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int start = block_start[b];
-    const int nrows = min(16, offsets[expert + 1] - start);
     const int cblock = blockIdx.y;
     const int index = 2 * num_experts + expert;
     const u32* words = reinterpret_cast<const u32*>(trellis_addr[index]);
