@@ -1,7 +1,5 @@
 """Diagnose the linear matmul kernel on a GPU: occupancy (register caps), stages, registers and spills."""
 
-import os
-import sys
 
 import torch
 import triton

@@ -14,10 +14,10 @@ import torch
 
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
+from .trellis_mma import chunk_splits
 
 WARPS = 4
 PREFETCH = 4
-TARGET_WARPS = 4096  # as the linear: enough trellis loads in flight to cover DRAM latency
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids; plans take the CUDA path for silu only (see supported)
 
 
@@ -39,14 +39,6 @@ def supported(experts, tables, block_m: int) -> bool:
             and experts.limit is None and tables.bias_gate_up is None and tables.bias_down is None)
 
 
-def _splits(k: int, busy_warps: int) -> tuple:
-    """(splits, k-tiles per split) of a k range in whole 128-input chunks."""
-    chunks = k // 128
-    splits = max(1, min(chunks, -(-TARGET_WARPS // max(1, busy_warps))))
-    per = -(-chunks // splits)
-    return -(-chunks // per), per * 8
-
-
 def moe_mma_layout(experts, max_slots: int) -> MoeMmaPlan:
     """Variants, variant table and splits for an ExpertSet (no compilation)."""
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
@@ -56,8 +48,8 @@ def moe_mma_layout(experts, max_slots: int) -> MoeMmaPlan:
     variant = torch.tensor([[gate_up.index(f) for f in fmt[0]], [gate_up.index(f) for f in fmt[1]],
                             [down.index(f) for f in fmt[2]]], dtype=torch.int32, device=experts.device)
     busy = min(E, max_slots)
-    gu_splits, gu_ktiles = _splits(H, busy * (I // 128) * 2 * WARPS)
-    d_splits, d_ktiles = _splits(I, busy * (H // 128) * WARPS)
+    gu_splits, gu_ktiles = chunk_splits(H, busy * (I // 128) * 2 * WARPS)
+    d_splits, d_ktiles = chunk_splits(I, busy * (H // 128) * WARPS)
     return MoeMmaPlan(gate_up, down, variant, gu_splits, gu_ktiles, d_splits, d_ktiles)
 
 

@@ -29,12 +29,18 @@ class MmaTiles:
     ktiles_per_split: int
 
 
-def plan_mma(k: int, n: int, target_warps: int = TARGET_WARPS) -> MmaTiles:
-    """Split k in whole 128-input chunks so that (n / 32) x splits warps are in flight; no split is empty."""
+def chunk_splits(k: int, busy_warps: int, target_warps: int = TARGET_WARPS) -> tuple:
+    """(splits, k-tiles per split) of a k range cut in whole 128-input chunks so that busy_warps x splits reaches
+    target_warps; no split is empty."""
     chunks = k // CHUNK_K
-    splits = max(1, min(chunks, -(-target_warps // (n // 32))))
+    splits = max(1, min(chunks, -(-target_warps // max(1, busy_warps))))
     per_split = -(-chunks // splits)
-    return MmaTiles(-(-chunks // per_split), per_split * CHUNK_K // 16)
+    return -(-chunks // per_split), per_split * CHUNK_K // 16
+
+
+def plan_mma(k: int, n: int, target_warps: int = TARGET_WARPS) -> MmaTiles:
+    """The linear's k split: (n / 32) warps per split (two n16 tiles per warp at few rows)."""
+    return MmaTiles(*chunk_splits(k, n // 32, target_warps))
 
 
 def m_tiles(rows: int) -> int:
@@ -50,16 +56,22 @@ def fuses_rotation(rows: int, k: int, n: int) -> bool:
     return rows <= (FUSED_ROTATION_ROWS_SMALL if k * n < SMALL_WEIGHT else FUSED_ROTATION_ROWS_LARGE)
 
 
-def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, prefetch: int = PREFETCH,
-               nt: int | None = None, fuse_in: bool | None = None):
+def variant_for(rows: int, k: int, n: int) -> tuple:
+    """(m16 tiles per block, rotates x in the kernel) of a call with `rows` rows: what run launches."""
+    return m_tiles(rows), fuses_rotation(rows, k, n)
+
+
+def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
+               nt: int | None = None):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
     nt = nt or (2 if mt <= 2 else 1)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
-               ("WARPS", WARPS), ("FUSE_IN", int(mt == 1 if fuse_in is None else fuse_in)))
+               ("WARPS", WARPS), ("FUSE_IN", int(fuse_in)))
     return nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0), nt
 
 
 def rotate_kernel(device: torch.device):
+    """rotate_input's CUfunction (its module needs some trellis defines; these are arbitrary)."""
     defines = (("K2", 8), ("CB", 1), ("MT", 1), ("NT", 2), ("PF", PREFETCH), ("WARPS", WARPS), ("FUSE_IN", 1))
     return nvrtc.kernel("trellis_mma.cu", "rotate_input", defines, device.index or 0)
 
@@ -86,8 +98,8 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     fuses_rotation(rows, k, n), else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch."""
     rows, k = x.shape
     tiles_n = w.trellis.shape[1]
-    mt = m_tiles(rows)
-    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, prefetch, nt, fuses_rotation(rows, k, tiles_n * 16))
+    mt, fuse_in = variant_for(rows, k, tiles_n * 16)
+    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, fuse_in, prefetch, nt)
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,
                                           out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16, tiles_n, k // 16,

@@ -13,8 +13,8 @@ from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
-from ..kernels.trellis_mma import (counter_count, fuses_rotation, m_tiles, mma_kernel, plan_mma, rotate_input,
-                                   rotate_kernel, trellis_mma)
+from ..kernels.trellis_mma import (counter_count, fuses_rotation, mma_kernel, plan_mma, rotate_input, rotate_kernel,
+                                   trellis_mma, variant_for)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -120,10 +120,8 @@ class LinearPlan:
         # CUDA C++ fused path where it can run (compiled here, before any capture); Triton otherwise.
         self.mma = plan_mma(k, n) if nvrtc.available(w.device) else None
         if self.mma is not None:
-            for mt in (1, 2, 4, 8)[:(1, 2, 4, 8).index(m_tiles(min(max_rows, MAX_FUSED_ROWS))) + 1]:
-                for fuse_in in (True, False) if mt == 1 else (False,):
-                    if fuse_in or not fuses_rotation(min(max_rows, 16), k, n):
-                        mma_kernel(w.K, w.codebook, mt, w.device, fuse_in=fuse_in)
+            for mt, fuse_in in {variant_for(rows, k, n) for rows in range(1, min(max_rows, MAX_FUSED_ROWS) + 1)}:
+                mma_kernel(w.K, w.codebook, mt, w.device, fuse_in)
             if not fuses_rotation(max_rows, k, n):
                 rotate_kernel(w.device)
         splits = max(self.tiles.splits, self.mma.splits if self.mma is not None else 1)
