@@ -8,7 +8,7 @@ Splits come from the plan's shape (max slots, E, H, I), never from the data, so 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,6 +30,8 @@ class MoeMmaPlan:
     gate_up_ktiles: int
     down_splits: int
     down_ktiles: int
+    gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
+    down_kernel: object = None
 
 
 def supported(experts, tables, block_m: int) -> bool:
@@ -56,9 +58,8 @@ def moe_mma_layout(experts, max_slots: int) -> MoeMmaPlan:
 def plan_moe_mma(experts, max_slots: int) -> MoeMmaPlan:
     """moe_mma_layout, with both kernels compiled for the layer's variants."""
     plan = moe_mma_layout(experts, max_slots)
-    _gate_up_kernel(plan, experts.device)
-    _down_kernel(plan, experts.device)
-    return plan
+    return replace(plan, gate_up_kernel=_gate_up_kernel(plan, experts.device),
+                   down_kernel=_down_kernel(plan, experts.device))
 
 
 def _dispatch(name: str, variants: tuple) -> str:
@@ -90,7 +91,7 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, experts, plan: MoeMmaPl
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     limit = float(tables.limit) if tables.limit is not None else 0.0
-    nvrtc.launch(_gate_up_kernel(plan, hidden.device), (grid_blocks, 2 * I // 128, plan.gate_up_splits), WARPS * 32,
+    nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), WARPS * 32,
                  [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
                   sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, plan.variant, E, H, I,
                   partial, capacity, h_rot, counters, plan.gate_up_ktiles, plan.gate_up_splits,
@@ -101,6 +102,6 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
     """y[slot] = down(h) (fp32, unweighted) for every routed position (CUDA path)."""
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
-    nvrtc.launch(_down_kernel(plan, h_rot.device), (grid_blocks, H // 128, plan.down_splits), WARPS * 32,
+    nvrtc.launch(plan.down_kernel, (grid_blocks, H // 128, plan.down_splits), WARPS * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,
                   plan.variant, E, H, I, partial, capacity, counters, plan.down_ktiles, plan.down_splits])
