@@ -47,7 +47,8 @@ def plot_moe(doc):
         res = [r for r in doc["results"] if r["shape"] == shape and "stages" not in r]
         for K in dict.fromkeys(r["K"] for r in res):
             sel = [r for r in res if r["K"] == K]
-            ax.plot([r["tokens"] for r in sel], [r["us"] for r in sel], "o-", label=f"exl3moe K={K}")
+            kernels = sel[0].get("experts", "triton")
+            ax.plot([r["tokens"] for r in sel], [r["us"] for r in sel], "o-", label=f"exl3moe K={K} ({kernels})")
         bf = {r["tokens"]: r["bf16_us"] for r in res}
         ax.plot(list(bf), list(bf.values()), "k-", label="bf16 grouped_mm")
         ax.plot(list(EXL3_MOE[shape]), list(EXL3_MOE[shape].values()), "x--", label="exllamav3 (best path) K4")

@@ -10,6 +10,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 from moe import SHAPES, random_layer, routings  # noqa: E402
 
+from exl3moe.kernels import moe_mma  # noqa: E402
 from exl3moe.kernels.moe_experts import moe_gate_up  # noqa: E402
 from exl3moe.kernels.route_pack import route_pack_max_blocks  # noqa: E402
 from exl3moe.ops.moe import moe_plan  # noqa: E402
@@ -19,7 +20,7 @@ def stages(runner, hidden, ids, weights, out):
     """The runner's launches of one chunk, plus gate/up without the hidden split for comparison."""
     launches = runner.chunk_launches(hidden, ids, weights, out)
     plan = runner.plan
-    if plan.gate_up_splits > 1:
+    if plan.mma is None and plan.gate_up_splits > 1:
         tables, ws = plan.tables, runner._ws
         slots = ids.numel()
         max_blocks = route_pack_max_blocks(slots, tables.num_experts, plan.block_m)
@@ -39,8 +40,10 @@ def main(args):
         layer = random_experts(E, hidden_size, inter, K=4, codebook="mcg")
     else:
         layer = random_layer(hidden_size, inter, E, [args.K], args.codebook, gen)
+    if args.target_warps:
+        moe_mma.TARGET_WARPS = args.target_warps
     for T in ([3] if args.dry_run else args.tokens):
-        plan = moe_plan(layer, T, top_k)
+        plan = moe_plan(layer, T, top_k, block_m=args.block_m)
         runner = plan.bind(plan.allocate())
         x = (torch.randn(T, hidden_size, device=device, generator=gen) * 0.03).half()
         if args.dry_run:
@@ -59,7 +62,8 @@ def main(args):
         from exl3moe.timing import time_graph
         whole = time_graph([lambda: runner.run(x, ids, weights, out)], replays=20)
         line = " ".join(f"{name} {time_graph([call], replays=20):7.1f}" for name, call in parts.items())
-        line += f" (gate_up splits {plan.gate_up_splits})"
+        splits = (plan.mma.gate_up_splits, plan.mma.down_splits) if plan.mma else plan.gate_up_splits
+        line += f" (block_m {plan.block_m}, splits {splits})"
         print(f"{args.shape} K{args.K} T={T:5d} whole {whole:8.1f} us | {line}", flush=True)
 
 
@@ -69,5 +73,7 @@ if __name__ == "__main__":
     ap.add_argument("--K", type=float, default=4)
     ap.add_argument("--codebook", default="mcg")
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024])
+    ap.add_argument("--block-m", type=int, default=None, help="route-block rows (default: the plan's choice)")
+    ap.add_argument("--target-warps", type=int, default=None, help="CUDA experts' split target (moe_mma.TARGET_WARPS)")
     ap.add_argument("--dry-run", action="store_true")
     main(ap.parse_args())

@@ -348,7 +348,8 @@ def test_stage_hot_swap_refuses_what_the_plan_cannot_read():
     bad_scales = torch.ones(2, 3)
     bad_scales[0, 1] = float("nan")
     nan = [random_stage(experts, bad_scales, K=2, generator=g)]
-    for stages, rule in ((wide, "wider"), (two, "capacity"), (nan, "finite"), ("x", "list")):
+    tiny = [random_stage(experts, torch.full((2, 3), 1e-13), K=2, generator=g)]
+    for stages, rule in ((wide, "wider"), (two, "capacity"), (nan, "finite"), (tiny, "2^-40"), ("x", "list")):
         with pytest.raises(ContractError) as err:
             plan.load_stages(stages)
         assert rule in str(err.value) and "stages" in err.value.name

@@ -99,11 +99,14 @@ def test_graph_capture_and_replay_with_new_ids(qwen3_layer):
         assert torch.equal(bits(out), bits(eager))
 
 
-@pytest.mark.parametrize("T", [300, 200])
-def test_deterministic_and_batch_invariant_at_full_shape(qwen3_layer, T):
-    """300 tokens take 32-row route blocks (Triton kernels), 200 take 16-row blocks (CUDA kernels if present)."""
+@pytest.mark.parametrize("T, block_m, backend", [(300, 32, "0"), (200, 16, "1"), (300, 32, "1"), (600, 64, "1"),
+                                                 (1024, 128, "1")])
+def test_deterministic_and_batch_invariant_at_full_shape(qwen3_layer, T, block_m, backend, monkeypatch):
+    """Every route-block size of the CUDA kernels, and the Triton kernels ("0")."""
+    monkeypatch.setenv("EXL3MOE_CUDA_KERNELS", backend)
     top_k, H = QWEN3["top_k"], QWEN3["hidden"]
-    plan = moe_plan(qwen3_layer, T, top_k)
+    plan = moe_plan(qwen3_layer, T, top_k, block_m=block_m)
+    assert (plan.mma is not None) == (backend == "1")
     runner = plan.bind(plan.allocate())
     x = (torch.randn(T, H, device="cuda") / 32).half()
     ids, weights = routing(T, QWEN3["experts"], top_k, 4)
@@ -178,3 +181,41 @@ def test_stage_hot_swap_under_one_captured_graph(qwen3_layer):
         assert torch.equal(bits(out), bits(eager))
     assert not torch.equal(results[0], results[1]) and not torch.equal(results[1], results[2])
     assert torch.equal(bits(results[0]), bits(results[3]))
+
+
+def test_cuda_experts_with_gelu_clamp_bias_and_stages_match_float64():
+    """The CUDA kernels' optional parts at every route-block size: gelu with a clamp, biases on base and
+    residuals, two stages of different K and codebook, one with zero scales on some experts."""
+    from exl3moe import ResidualStage
+    E, H, I, top_k = 16, 512, 384, 4
+    g = torch.Generator(device="cuda").manual_seed(40)
+    base = random_experts(E, H, I, [4, 3, 2.5], ["mcg", "3inst", "mul1"], seed=41, activation="gelu")
+
+    def with_bias(ws):
+        return [EXL3Weight(w.trellis, w.suh, w.svh, w.codebook, (torch.randn(w.out_features, device="cuda",
+                                                                              generator=g) * 0.1).half(), w.name)
+                for w in ws]
+
+    def residuals(ws, K, codebook, bias):
+        out = [EXL3Weight(torch.randint(-32768, 32768, w.trellis.shape[:2] + (int(16 * K),), dtype=torch.int32,
+                                        device="cuda", generator=g).to(torch.int16), w.suh, w.svh, codebook)
+               for w in ws]
+        return with_bias(out) if bias else out
+
+    layer = ExpertSet(with_bias(base.gate), with_bias(base.up), with_bias(base.down), "gelu", limit=6.0)
+    sparse = torch.rand(E, 3, device="cuda", generator=g) * 0.2
+    sparse[::3] = 0.0
+    stages = [ResidualStage(residuals(layer.gate, 2, "mcg", True), residuals(layer.up, 2, "mcg", True),
+                            residuals(layer.down, 2, "mcg", True), sparse),
+              ResidualStage(residuals(layer.gate, 1.5, "mul1", False), None, residuals(layer.down, 3, "3inst", False),
+                            torch.rand(E, 3, device="cuda", generator=g) * 0.1)]
+    layer = ExpertSet(layer.gate, layer.up, layer.down, "gelu", limit=6.0, stages=stages)
+    for T, block_m in ((1, 16), (9, 32), (40, 64), (70, 128)):
+        x = (torch.randn(T, H, device="cuda", generator=g) / 4).half()
+        ids, weights = routing(T, E, top_k, 50 + T)
+        plan = moe_plan(layer, T, top_k, block_m=block_m, out_dtype=torch.float16)
+        assert plan.mma is not None
+        out = torch.empty(T, H, device="cuda", dtype=torch.float16)
+        plan.bind(plan.allocate()).run(x, ids, weights, out)
+        ref = moe(x, layer, ids, weights)
+        assert rel_l2(out, ref) < 2e-3, (T, block_m, rel_l2(out, ref))

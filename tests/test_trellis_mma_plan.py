@@ -42,19 +42,25 @@ def test_rotation_fusion_depends_on_rows_and_shape_only():
     assert fuses_rotation(4, 4096, 14336) and not fuses_rotation(5, 4096, 14336)
 
 
-def test_moe_mma_layout_indexes_every_projection_variant():
+def test_moe_mma_layout_covers_every_projection_and_stage_format():
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import _dispatch, moe_mma_layout
+    from exl3moe.kernels.moe_mma import _dispatch, formats_up_to, moe_mma_layout, warps_for
 
     experts = random_experts(6, 256, 384, K=[4, 2.5, 4, 3, 4, 2.5],
                              codebook=["mcg", "mul1", "3inst", "mul1", "mcg", "mul1"])
-    plan = moe_mma_layout(experts, max_slots=8)
-    for p, proj in enumerate(("gate", "up", "down")):
-        variants = plan.down_variants if proj == "down" else plan.gate_up_variants
-        for e, w in enumerate(getattr(experts, proj)):
-            assert variants[int(plan.variant[p, e])] == (int(w.K * 2), {"3inst": 0, "mcg": 1, "mul1": 2}[w.codebook])
-    assert plan.gate_up_ktiles % 8 == 0 and (plan.gate_up_splits - 1) * plan.gate_up_ktiles < 256 // 16
-    assert plan.down_ktiles % 8 == 0 and (plan.down_splits - 1) * plan.down_ktiles < 384 // 16
-    text = _dispatch("DISPATCH_DOWN", plan.down_variants)
-    assert all(f"mma_mainloop<{k2}, {cb}," in text for k2, cb in plan.down_variants)
+    ids = {"3inst": 0, "mcg": 1, "mul1": 2}
+    for block_m, stage_k2 in ((16, 0), (32, 4), (128, 8)):
+        plan = moe_mma_layout(experts, max_slots=8, block_m=block_m, stage_max_k2=stage_k2)
+        assert plan.warps == warps_for(block_m) and plan.warps * (8 // plan.warps) == 8
+        for proj in ("gate", "up", "down"):
+            formats = plan.down_formats if proj == "down" else plan.gate_up_formats
+            assert all((int(w.K * 2), ids[w.codebook]) in formats for w in getattr(experts, proj))
+        assert plan.stage_formats == formats_up_to(stage_k2)
+        assert plan.gate_up_ktiles % 8 == 0 and (plan.gate_up_splits - 1) * plan.gate_up_ktiles < 256 // 16
+        assert plan.down_ktiles % 8 == 0 and (plan.down_splits - 1) * plan.down_ktiles < 384 // 16
+        text = _dispatch("DISPATCH_DOWN", plan.down_formats, block_m // 16, 8 // plan.warps)
+        assert all(f"case {4 * k2 + cb}: mma_mainloop<{k2}, {cb}, {block_m // 16}," in text
+                   for k2, cb in plan.down_formats)
+    assert len(formats_up_to(8)) == 15 and (3, 0) not in formats_up_to(8) and (3, 2) in formats_up_to(8)
+    assert formats_up_to(0) == ()

@@ -1,4 +1,4 @@
-"""Routed experts on the CUDA C++ decode core (cuda/moe_mma.cu) for plans with 16-row route blocks.
+"""Routed experts on the CUDA C++ decode core (cuda/moe_mma.cu) for route blocks of 16 to 128 rows.
 
 Same contract as the Triton gate/up and down kernels (h_rot [pos, I] fp16, y [slot, H] fp32), but each
 projection's hidden (gate/up) or intermediate (down) range is split so that enough warps are in flight at small
@@ -16,92 +16,134 @@ from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
 from .trellis_mma import chunk_splits
 
-WARPS = 4
 PREFETCH = 4
-ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids; plans take the CUDA path for silu only (see supported)
+ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
+STAGE_MAX_K2 = 8
+PRE_ROTATE_BLOCK_M = 64
+ROTATE_ROWS = 8  # rows per moe_rotate_input block (the kernel's constant)
+# Warps wanted in flight at the plan's largest call: below this the k range of gate/up and down is split.
+TARGET_WARPS = 4096
 
 
 @dataclass(frozen=True)
 class MoeMmaPlan:
-    gate_up_variants: tuple  # ((2K, codebook id), ...) present in gate and up
-    down_variants: tuple
-    variant: torch.Tensor  # int32 [3, E]: index of each projection's variant in its launch's list
+    block_m: int  # route-block rows: 16 x m16 tiles of the kernels
+    warps: int  # warps per block, each with 8 / warps n16 tiles (128 columns per block)
+    gate_up_formats: tuple  # ((2K, codebook id), ...) of gate and up
+    down_formats: tuple
+    stage_formats: tuple  # every format a residual stage may have in this plan (empty without stages)
     gate_up_splits: int
     gate_up_ktiles: int
     down_splits: int
     down_ktiles: int
+    pre_rotate: bool  # gate/up inputs rotated once per position by moe_rotate_input, not in every column block
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
+    rotate_kernel: object = None
 
 
-def supported(experts, tables, block_m: int) -> bool:
-    """The CUDA path covers gated silu experts without clamp, biases or residual stages in 16-row route blocks
-    (the configuration checked on the H200; the kernel's gelu and clamp code is not enabled until it is too)."""
-    return (block_m == 16 and tables.num_stages == 0 and experts.gated and experts.activation == "silu"
-            and experts.limit is None and tables.bias_gate_up is None and tables.bias_down is None)
+def supported(experts, stage_max_k2: int) -> bool:
+    """The CUDA path covers gated experts (silu or gelu, optional clamp, biases) and residual stages of K <= 4
+    (each stage format is one more compiled mainloop; up to 2K = 8 that is 15 of them)."""
+    return experts.gated and experts.activation in ACTIVATIONS and stage_max_k2 <= STAGE_MAX_K2
 
 
-def moe_mma_layout(experts, max_slots: int) -> MoeMmaPlan:
-    """Variants, variant table and splits for an ExpertSet (no compilation)."""
+def formats_up_to(max_k2: int) -> tuple:
+    """Every valid (2K, codebook id) with 2K <= max_k2: half-integer K only with mul1."""
+    mul1 = CODEBOOK_ID["mul1"]
+    return tuple((k2, cb) for k2 in range(2, max_k2 + 1) for cb in range(3) if k2 % 2 == 0 or cb == mul1)
+
+
+def pre_rotates(block_m: int) -> bool:
+    """From 64-row route blocks on, rotating each row in all 2 I / 128 column blocks costs more than a launch."""
+    return block_m >= PRE_ROTATE_BLOCK_M
+
+
+def warps_for(block_m: int) -> int:
+    """4 warps of two n16 tiles up to 32 rows; 8 warps of one n16 tile above, so the accumulators fit registers."""
+    return 4 if block_m <= 32 else 8
+
+
+def moe_mma_layout(experts, max_slots: int, block_m: int, stage_max_k2: int = 0) -> MoeMmaPlan:
+    """Formats and splits for an ExpertSet (no compilation); stage_max_k2 > 0 adds the stage formats."""
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
     fmt = [[(int(w.K * 2), CODEBOOK_ID[w.codebook]) for w in getattr(experts, p)] for p in ("gate", "up", "down")]
-    gate_up = tuple(sorted(set(fmt[0] + fmt[1])))
-    down = tuple(sorted(set(fmt[2])))
-    variant = torch.tensor([[gate_up.index(f) for f in fmt[0]], [gate_up.index(f) for f in fmt[1]],
-                            [down.index(f) for f in fmt[2]]], dtype=torch.int32, device=experts.device)
-    busy = min(E, max_slots)
-    gu_splits, gu_ktiles = chunk_splits(H, busy * (I // 128) * 2 * WARPS)
-    d_splits, d_ktiles = chunk_splits(I, busy * (H // 128) * WARPS)
-    return MoeMmaPlan(gate_up, down, variant, gu_splits, gu_ktiles, d_splits, d_ktiles)
+    warps = warps_for(block_m)
+    busy = max(min(E, max_slots), -(-max_slots // block_m))  # route blocks of a full call
+    gu_splits, gu_ktiles = chunk_splits(H, busy * (I // 128) * 2 * warps, TARGET_WARPS)
+    d_splits, d_ktiles = chunk_splits(I, busy * (H // 128) * warps, TARGET_WARPS)
+    return MoeMmaPlan(block_m, warps, tuple(sorted(set(fmt[0] + fmt[1]))), tuple(sorted(set(fmt[2]))),
+                      formats_up_to(stage_max_k2), gu_splits, gu_ktiles, d_splits, d_ktiles, pre_rotates(block_m))
 
 
-def plan_moe_mma(experts, max_slots: int) -> MoeMmaPlan:
-    """moe_mma_layout, with both kernels compiled for the layer's variants."""
-    plan = moe_mma_layout(experts, max_slots)
-    return replace(plan, gate_up_kernel=_gate_up_kernel(plan, experts.device),
-                   down_kernel=_down_kernel(plan, experts.device))
+def plan_moe_mma(experts, max_slots: int, block_m: int, stage_max_k2: int = 0) -> MoeMmaPlan:
+    """moe_mma_layout, with both kernels compiled for the layer's formats."""
+    plan = moe_mma_layout(experts, max_slots, block_m, stage_max_k2)
+    return replace(plan, gate_up_kernel=_kernel(plan, "moe_gate_up_mma", experts.device),
+                   down_kernel=_kernel(plan, "moe_down_mma", experts.device),
+                   rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
 
 
-def _dispatch(name: str, variants: tuple) -> str:
-    cases = " ".join(f"case {i}: mma_mainloop<{k2}, {cb}, 1, 2, PF>(acc, words, tiles_n, jt0, kt0, kt1, xs, stage); "
-                     "break;" for i, (k2, cb) in enumerate(variants))
-    return f"#define {name} switch (variant[index]) {{ {cases} }}\n"
+def _dispatch(name: str, formats: tuple, mt: int, nt: int) -> str:
+    cases = " ".join(f"case {4 * k2 + cb}: mma_mainloop<{k2}, {cb}, {mt}, {nt}, PF>(ACC, WORDS, tiles_n, jt0, kt0, "
+                     "kt1, mtiles, xs, stage); break;" for k2, cb in formats)
+    return f"#define {name}(ACC, WORDS, KEY) switch (KEY) {{ {cases} }}\n"
 
 
-def _gate_up_kernel(plan: MoeMmaPlan, device: torch.device):
-    prelude = _dispatch("DISPATCH_GATE_UP", plan.gate_up_variants) + "#define DISPATCH_DOWN\n"
-    return nvrtc.kernel("moe_mma.cu", "moe_gate_up_mma", (("PF", PREFETCH),), device.index or 0, prelude)
-
-
-def _down_kernel(plan: MoeMmaPlan, device: torch.device):
-    prelude = "#define DISPATCH_GATE_UP\n" + _dispatch("DISPATCH_DOWN", plan.down_variants)
-    return nvrtc.kernel("moe_mma.cu", "moe_down_mma", (("PF", PREFETCH),), device.index or 0, prelude)
+def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
+    mt, nt = plan.block_m // 16, 8 // plan.warps
+    gate_up = name == "moe_gate_up_mma"
+    empty = ()
+    prelude = "".join([
+        _dispatch("DISPATCH_GATE_UP", plan.gate_up_formats if gate_up else empty, mt, nt),
+        _dispatch("STAGE_DISPATCH_GATE_UP", plan.stage_formats if gate_up else empty, mt, nt),
+        _dispatch("DISPATCH_DOWN", empty if gate_up else plan.down_formats, mt, nt),
+        _dispatch("STAGE_DISPATCH_DOWN", empty if gate_up else plan.stage_formats, mt, nt)])
+    defines = (("PF", PREFETCH), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)))
+    return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude)
 
 
 def workspace_numels(plan: MoeMmaPlan, capacity: int, max_blocks: int, hidden: int, inter: int) -> dict:
     """fp32 partials of gate/up and down, and int32 arrival counters (zeroed once; kernels reset them)."""
     return {"gate_up_partial": plan.gate_up_splits * 2 * capacity * inter,
             "down_partial": plan.down_splits * capacity * hidden,
-            "counters": max_blocks * (inter // 128 + hidden // 128)}
+            "counters": max_blocks * (inter // 128 + hidden // 128),
+            "x_rot": 2 * capacity * hidden if plan.pre_rotate else 0}
 
 
-def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, experts, plan: MoeMmaPlan, partial, counters, grid_blocks,
-                    capacity):
-    """h_rot[pos] = down's rotated input of act(gate(x), up(x)) for every routed position (CUDA path)."""
+def _stage_args(tables) -> list:
+    return [tables.num_stages, tables.stage_addr, tables.stage_k2, tables.stage_codebook, tables.stage_scale]
+
+
+def moe_rotate_input(hidden, x_rot, route, top_k, tables, plan: MoeMmaPlan, grid_blocks, capacity):
+    """x_rot[p, pos] = fp16(Hn(x[token] * suh)) of gate (p 0) and up (p 1) for every routed position."""
+    block_expert, block_start, offsets, sorted_slots = route
+    H = tables.hidden_size
+    nvrtc.launch(plan.rotate_kernel, (grid_blocks, 2, plan.block_m // ROTATE_ROWS), plan.warps * 32,
+                 [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
+                  sorted_slots, top_k, tables.suh_addr, tables.num_experts, H, capacity, x_rot])
+
+
+def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, partial, counters, grid_blocks, capacity,
+                    x_rot=None):
+    """h_rot[pos] = down's rotated input of act(gate(x), up(x)) for every routed position (CUDA path); x_rot
+    holds moe_rotate_input's rows when the plan pre-rotates."""
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     limit = float(tables.limit) if tables.limit is not None else 0.0
-    nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), WARPS * 32,
+    nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), plan.warps * 32,
                  [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
-                  sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, plan.variant, E, H, I,
-                  partial, capacity, h_rot, counters, plan.gate_up_ktiles, plan.gate_up_splits,
-                  ACTIVATIONS[experts.activation], int(tables.limit is not None), limit])
+                  sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2,
+                  tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, partial, capacity, h_rot,
+                  counters, plan.gate_up_ktiles, plan.gate_up_splits, ACTIVATIONS[tables.activation],
+                  int(tables.limit is not None), limit, x_rot])
 
 
 def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, grid_blocks, capacity):
     """y[slot] = down(h) (fp32, unweighted) for every routed position (CUDA path)."""
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
-    nvrtc.launch(plan.down_kernel, (grid_blocks, H // 128, plan.down_splits), WARPS * 32,
+    nvrtc.launch(plan.down_kernel, (grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,
-                  plan.variant, E, H, I, partial, capacity, counters, plan.down_ktiles, plan.down_splits])
+                  tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I, partial, capacity,
+                  counters, plan.down_ktiles, plan.down_splits])

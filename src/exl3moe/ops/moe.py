@@ -29,7 +29,8 @@ from ..format.hadamard import hadamard_blockwise
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import moe_down_mma, moe_gate_up_mma, plan_moe_mma, supported, workspace_numels
+from ..kernels.moe_mma import (moe_down_mma, moe_gate_up_mma, moe_rotate_input, plan_moe_mma, supported,
+                                workspace_numels)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from ..reference.moe import activate
@@ -38,8 +39,11 @@ from .tables import PROJECTIONS, MoETables, build_tables, check_expert_set
 # Slots per chunk by default: 2048 top-8 tokens keep ~128 rows per expert at E = 128, with the Qwen3-30B
 # workspace (I = 768, H = 2048) at ~160 MB.
 DEFAULT_SLOT_CAPACITY = 16384
-# Route-block rows: 16 is the smallest MMA tile; above 32 the sm_90 build of gate/up spills (cuobjdump).
-MIN_BLOCK_M, MAX_BLOCK_M = 16, 32
+# Route-block rows: 16 is the smallest MMA tile; above 32 the sm_90 build of the Triton gate/up spills (cuobjdump).
+# The CUDA kernels take up to 128 and skip m16 tiles past a block's rows, so they get headroom over the average.
+MIN_BLOCK_M, MAX_BLOCK_M, CUDA_MAX_BLOCK_M = 16, 32, 128
+# Residual 2K a plan with stage slots accepts when neither max_stage_bits nor its stages say more (K = 2).
+DEFAULT_STAGE_K2 = 4
 # Decode sub-block (k rows) on the GPU: [32, 128] keeps the word gather's registers near the linear kernel's.
 GPU_DECODE_K = 32
 # Decode sub-block under the interpreter: one 128-row block per k-chunk means fewest interpreted steps.
@@ -65,9 +69,22 @@ def gate_up_splits(max_slots: int, num_experts: int, hidden: int, inter: int) ->
     return splits
 
 
-def route_block_rows(slots: int, num_experts: int) -> int:
-    """Route-block size from the average rows per expert: a power of two in [MIN_BLOCK_M, MAX_BLOCK_M]."""
-    return max(MIN_BLOCK_M, min(MAX_BLOCK_M, triton.next_power_of_2(max(1, -(-slots // num_experts)))))
+def route_block_rows(slots: int, num_experts: int, largest: int = MAX_BLOCK_M, headroom: float = 1.0) -> int:
+    """Route-block size from the average rows per expert (times headroom): a power of two in [16, largest]."""
+    rows = max(1, int(-(-slots * headroom // num_experts)))
+    return max(MIN_BLOCK_M, min(largest, triton.next_power_of_2(rows)))
+
+
+def widest_residual_k2(stages: list) -> int:
+    return max([0] + [int(2 * r.K) for st in stages for p in PROJECTIONS for r in (getattr(st, p) or [])
+                      if r is not None])
+
+
+def stage_k2_limit(experts: ExpertSet, stage_capacity: int, max_stage_bits: float) -> int:
+    """Widest residual 2K a plan accepts: max_stage_bits (default K = 2) or its widest residual; 0 without stages."""
+    if not max(stage_capacity, len(experts.stages)):
+        return 0
+    return max(int(2 * max_stage_bits) or DEFAULT_STAGE_K2, widest_residual_k2(experts.stages))
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -107,8 +124,9 @@ class MoEPlan:
             check_expert_set(shared, "shared")
         # Everything is validated: only now do tables reach the device.
         self.tables: MoETables = build_tables(experts, stage_capacity=stage_capacity)
-        self.tables.max_k2_gate_up = max(self.tables.max_k2_gate_up, int(2 * max_stage_bits))
-        self.tables.max_k2_down = max(self.tables.max_k2_down, int(2 * max_stage_bits))
+        self.stage_max_k2 = stage_k2_limit(experts, stage_capacity, max_stage_bits)
+        self.tables.max_k2_gate_up = max(self.tables.max_k2_gate_up, self.stage_max_k2)
+        self.tables.max_k2_down = max(self.tables.max_k2_down, self.stage_max_k2)
         self.shared_tables = build_tables(shared, "shared") if shared is not None else None
         E = experts.num_experts
         self.experts, self.shared = experts, shared
@@ -116,7 +134,9 @@ class MoEPlan:
         self.max_tokens, self.top_k, self.out_dtype = max_tokens, top_k, out_dtype
         self.chunk_tokens = min(max_tokens, capacity // top_k)
         self.slot_capacity = self.chunk_tokens * top_k
-        self.block_m = block_m or route_block_rows(self.slot_capacity, E)
+        cuda = nvrtc.available(self.device) and supported(experts, self.stage_max_k2)
+        self.block_m = block_m or (route_block_rows(self.slot_capacity, E, CUDA_MAX_BLOCK_M, 1.5) if cuda
+                                   else route_block_rows(self.slot_capacity, E))
         self.shared_block_m = route_block_rows(self.chunk_tokens, 1)
         self.decode_k = decode_k or (INTERPRET_DECODE_K if interpreting() else GPU_DECODE_K)
         H, I, S = experts.hidden_size, experts.intermediate_size, self.slot_capacity
@@ -130,13 +150,14 @@ class MoEPlan:
             ("route_workspace", route_pack_workspace_numel(S, E), torch.int32),
         ]
         # CUDA C++ experts where they can run (compiled here, before any capture); the Triton kernels otherwise.
-        cuda = nvrtc.available(self.device) and supported(experts, self.tables, self.block_m)
-        self.mma = plan_moe_mma(experts, max_tokens * top_k) if cuda else None
+        self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_max_k2) if cuda else None
         if self.mma is not None:
             sizes = workspace_numels(self.mma, S, max_blocks, H, I)
             self._layout += [("mma_gate_up_partial", sizes["gate_up_partial"], torch.float32),
                              ("mma_down_partial", sizes["down_partial"], torch.float32),
                              ("mma_counters", sizes["counters"], torch.int32)]
+            if sizes["x_rot"]:
+                self._layout.append(("mma_x_rot", sizes["x_rot"], torch.float16))
             self.mma_down_counters_at = max_blocks * (I // 128)
         elif self.gate_up_splits > 1:
             self._layout.append(("gate_up_partial", self.gate_up_splits * 2 * S * I, torch.float32))
@@ -173,7 +194,8 @@ class MoEPlan:
         Captured graphs keep reading the same table tensors, so the next replay uses the new stages.
         `[]` restores the base. Refused with ContractError (nothing written) unless the stages fit the
         plan: at most `stage_capacity` stages (or as many as the plan was made with), residual K within
-        the plan's widest (`max_stage_bits`), and biases only where the plan has bias tables.
+        the plan's widest (`max_stage_bits`, else its widest residual, else 2), and biases only where the plan
+        has bias tables.
         Call between replays, not while one runs; the plan keeps the new stages alive.
         """
         if not isinstance(stages, (list, tuple)):
@@ -185,10 +207,10 @@ class MoEPlan:
         base = self.experts
         swapped = ExpertSet(base.gate, base.up, base.down, base.activation, base.limit, list(stages), base.name)
         new = build_tables(swapped, stage_capacity=t.num_stages)
-        if new.max_k2_gate_up > t.max_k2_gate_up or new.max_k2_down > t.max_k2_down:
-            widest = max(new.max_k2_gate_up, new.max_k2_down) / 2
-            raise ContractError("stages", f"a residual of K={widest:g} is wider than the plan allows "
-                                "(moe_plan(..., max_stage_bits=...))")
+        widest = widest_residual_k2(stages)
+        if widest > self.stage_max_k2:
+            raise ContractError("stages", f"a residual of K={widest / 2:g} is wider than the plan allows "
+                                f"(K={self.stage_max_k2 / 2:g}; moe_plan(..., max_stage_bits=...))")
         for field in ("bias_gate_up", "bias_down"):
             if (getattr(new, field) is None) != (getattr(t, field) is None):
                 raise ContractError(f"stages.{field}", "residual biases must match the plan's bias tables "
@@ -279,20 +301,24 @@ class MoERunner:
                                              block_start, ws["num_blocks"],
                                              ws["route_workspace"][:route_pack_workspace_numel(slots, E)],
                                              block_m=plan.block_m),
-            "gate_up": lambda: moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks, True,
-                                           plan.block_m, plan.decode_k, partial=ws.get("gate_up_partial"),
-                                           splits=plan.gate_up_splits),
-            "down": lambda: moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True, plan.block_m,
-                                     plan.decode_k),
         }
         if plan.mma is not None:
             counters, split = ws["mma_counters"], plan.mma_down_counters_at
-            capacity = plan.slot_capacity
-            launches["gate_up"] = lambda: moe_gate_up_mma(hidden, ws["h_rot"], route, top_k, tables, plan.experts,
-                                                          plan.mma, ws["mma_gate_up_partial"], counters[:split],
-                                                          max_blocks, capacity)
+            capacity, x_rot = plan.slot_capacity, ws.get("mma_x_rot")
+            if x_rot is not None:
+                launches["rotate"] = lambda: moe_rotate_input(hidden, x_rot, route, top_k, tables, plan.mma, max_blocks,
+                                                              capacity)
+            launches["gate_up"] = lambda: moe_gate_up_mma(hidden, ws["h_rot"], route, top_k, tables, plan.mma,
+                                                          ws["mma_gate_up_partial"], counters[:split], max_blocks,
+                                                          capacity, x_rot)
             launches["down"] = lambda: moe_down_mma(ws["h_rot"], ws["y"], route, tables, plan.mma,
                                                     ws["mma_down_partial"], counters[split:], max_blocks, capacity)
+        else:
+            launches["gate_up"] = lambda: moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks,
+                                                      True, plan.block_m, plan.decode_k,
+                                                      partial=ws.get("gate_up_partial"), splits=plan.gate_up_splits)
+            launches["down"] = lambda: moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True,
+                                                plan.block_m, plan.decode_k)
         shared_y = None
         if plan.shared_tables is not None:
             unused = (ws["counts"],) * 4

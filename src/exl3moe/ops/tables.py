@@ -14,7 +14,8 @@ index p: 0 gate, 1 up, 2 down; entry (p, e) lives at flat index p * E + e, stage
     stage_addr     int64   [S, 3, E]  data_ptr() of the residual trellis; 0 when the residual is absent
     stage_k2       int32   [S, 3, E]  2K of the residual (any valid value when absent)
     stage_codebook int32   [S, 3, E]  codebook id of the residual
-    stage_scale    float32 [S, 3, E]  residual scale; 0 means skip (and must be 0 for absent residuals)
+    stage_scale    float32 [S, 3, E]  residual scale; 0 means skip (and must be 0 for absent residuals);
+                                      otherwise 2^-40 <= |scale| <= 2^40
     bias_gate_up   float32 [2, E, I]  gate (0) and up (1) bias, base plus scaled residual biases; or None
     bias_down      float32 [E, H]     down bias, likewise; or None
 
@@ -41,6 +42,7 @@ from ..format.weight import EXL3Weight
 from ..kernels.moe_experts import ACTIVATION_ID
 
 MOE_ADDITIVE_ABI_VERSION = 1
+MIN_STAGE_SCALE = 2.0 ** -40  # nonzero stage scales lie in [2^-40, 2^40]: the CUDA kernels compute acc / scale
 PROJECTIONS = ("gate", "up", "down")
 
 
@@ -125,6 +127,10 @@ def _check_stage(stage: ResidualStage, s: int, experts: ExpertSet, shapes: dict)
     scales = scales.detach().to("cpu", torch.float32)
     if not bool(torch.isfinite(scales).all()):
         raise ContractError(f"{name}.scales", "must be finite")
+    magnitude = scales.abs()[scales != 0]
+    if bool(((magnitude < MIN_STAGE_SCALE) | (magnitude > 1 / MIN_STAGE_SCALE)).any()):
+        raise ContractError(f"{name}.scales", f"nonzero scales must lie within [2^-40, 2^40] in magnitude "
+                            "(kernels divide by them)")
     for p, proj in enumerate(PROJECTIONS):
         residuals = getattr(stage, proj)
         if residuals is None:

@@ -1,13 +1,16 @@
-// Routed EXL3 experts on mma.sync, for route blocks of up to 16 rows (one m16 tile), driven by the MoE tables.
-// Compile-time (-D): PF prefetched k-tiles; the prelude defines DISPATCH_GATE_UP / DISPATCH_DOWN, switches over
-// the (2K, codebook) variants present in the layer, each calling mma_mainloop for one variant.
+// Routed EXL3 experts on mma.sync for route blocks of up to 16 MT rows, driven by the MoE tables (ABI 1).
+// Compile-time (-D): MT m16 tiles per route block, WARPS warps of NT n16 tiles (WARPS NT = 8: 128 columns per
+// block), PF prefetched k-tiles. The prelude defines DISPATCH_GATE_UP(ACC, WORDS, KEY) / DISPATCH_DOWN and the
+// STAGE_ forms: switches over 4 x 2K + codebook for the layer's (or the stages') formats, each running
+// mma_mainloop of one format.
 // gate/up: grid (route block, 2 x I / 128, splits); block (b, 2 c + p) computes projection p (0 gate, 1 up) for
-// I columns [128 c, 128 c + 128) over its hidden split; the last of the 2 x splits arrivals applies both output
-// Hadamards and svh, the activation, down's suh and input Hadamard, and stores h_rot[pos] fp16.
-// down: grid (route block, H / 128, splits); the last arrival writes y[slot] = Hn(sum) * svh, fp32.
+// I columns [128 c, 128 c + 128) over its hidden split, plus scale x residual of every stage with a nonzero
+// scale; the last of the 2 x splits arrivals applies both output Hadamards, svh and bias, the activation,
+// down's suh and input Hadamard, and stores h_rot[pos] fp16.
+// down: grid (route block, H / 128, splits); the last arrival writes y[slot] = Hn(sum) * svh + bias, fp32.
 #include "trellis_core.cuh"
 
-constexpr int WARPS = 4;
+constexpr int BLOCK_M = 16 * MT;
 
 __device__ __forceinline__ float sigmoid(float x) {
     const float e = expf(-fabsf(x));
@@ -24,56 +27,124 @@ __device__ __forceinline__ float activate(float g, float u, int activation, int 
     return a * u;
 }
 
-// Expert, first sorted position and row count (<= 16) of route block b; false for an unused block.
+// Expert, first sorted position and row count (<= BLOCK_M) of route block b; false for an unused block.
 __device__ __forceinline__ bool route_block(int b, const int* block_expert, const int* block_start, const int* offsets,
                                             int& expert, int& start, int& nrows) {
     expert = block_expert[b];
     if (expert < 0) return false;
     start = block_start[b];
-    nrows = min(16, offsets[expert + 1] - start);
+    nrows = min(BLOCK_M, offsets[expert + 1] - start);
     return true;
 }
+
+// acc += scale x (xs @ R) for each stage with a nonzero scale at index + s x stride, computed as
+// scale x (acc / scale + xs @ R) so no second accumulator is live; run(words, key) runs one mainloop.
+template <class Acc, class Run>
+__device__ __forceinline__ void add_stages(Acc& acc, int index, int stride, int num_stages,
+                                           const long long* __restrict__ addr, const int* __restrict__ k2,
+                                           const int* __restrict__ codebook, const float* __restrict__ scale,
+                                           Run&& run) {
+    for (int s = 0; s < num_stages; s++) {
+        const int i = s * stride + index;
+        const float f = scale[i];
+        if (f == 0.f) continue;
+        scale_acc(acc, 1.f / f);
+        run(reinterpret_cast<const u32*>(addr[i]), k2[i] * 4 + codebook[i]);
+        scale_acc(acc, f);
+    }
+}
+
+// xs[r] = rows[start + r] (fp16, row length `width`) over chunk c0's 128 columns; rows past nrows zeroed.
+__device__ __forceinline__ void copy_rows(unsigned short* xs, const unsigned short* rows, int start, int nrows,
+                                          int width, int c0) {
+    for (int v = threadIdx.x; v < BLOCK_M * 16; v += WARPS * 32) {
+        const int r = v >> 4, cc = (v & 15) * 8;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (r < nrows) val = *reinterpret_cast<const uint4*>(rows + (size_t)(start + r) * width + c0 * 16 + cc);
+        *reinterpret_cast<uint4*>(xs + r * XS + cc) = val;
+    }
+}
+
+// dst[0..128) = fp16(Hn128(xr[c] * suh[c]) / sqrt(128)) for the 128 inputs of chunk c0; one warp.
+__device__ __forceinline__ void rotate_chunk(unsigned short* dst, const unsigned short* xr, int x_bf16,
+                                             const unsigned short* suh, int c0, int lane) {
+    const int c = c0 * 16 + 4 * lane;
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) v[j] = input_to_float(xr[c + j], x_bf16) * half_to_float(suh[c + j]);
+    hadamard128_warp(v, lane);
+#pragma unroll
+    for (int j = 0; j < 4; j++) dst[4 * lane + j] = float_to_half(v[j] * INV_SQRT_128);
+}
+
+// x_rot[p, pos] = gate (p 0) or up (p 1) rotated input of every routed position: grid (route block, 2,
+// BLOCK_M / ROTATE_ROWS); each warp rotates (row, 128 inputs) items of the block's ROTATE_ROWS rows, two at a time.
+// The same bytes gate/up computes itself without PRE_ROTATED.
+constexpr int ROTATE_ROWS = 8;
+
+extern "C" __global__ void __launch_bounds__(WARPS * 32)
+moe_rotate_input(const unsigned short* __restrict__ x, int x_bf16, int stride_x,
+                 const int* __restrict__ block_expert, const int* __restrict__ block_start,
+                 const int* __restrict__ offsets, const int* __restrict__ sorted_slots, int top_k,
+                 const long long* __restrict__ suh_addr, int num_experts, int hidden, int capacity,
+                 unsigned short* __restrict__ x_rot) {
+    int expert, start, nrows;
+    if (!route_block(blockIdx.x, block_expert, block_start, offsets, expert, start, nrows)) return;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, proj = blockIdx.y;
+    const int r0 = blockIdx.z * ROTATE_ROWS, rows = min(ROTATE_ROWS, nrows - r0), chunks = hidden / 128;
+    const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[proj * num_experts + expert]);
+    unsigned short* dst = x_rot + ((size_t)proj * capacity + start + r0) * hidden;
+#pragma unroll 2
+    for (int i = warp; i < rows * chunks; i += WARPS) {
+        const int r = i / chunks, chunk = i % chunks;
+        rotate_chunk(dst + (size_t)r * hidden + chunk * 128,
+                     x + (size_t)(sorted_slots[start + r0 + r] / top_k) * stride_x, x_bf16, suh, chunk * 8, lane);
+    }
+}
+
+__device__ __forceinline__ float bias_at(const float* bias, size_t i) { return bias != nullptr ? bias[i] : 0.f; }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32)
 moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, const int* __restrict__ block_expert,
                 const int* __restrict__ block_start, const int* __restrict__ offsets,
                 const int* __restrict__ sorted_slots, int top_k, const long long* __restrict__ trellis_addr,
                 const long long* __restrict__ suh_addr, const long long* __restrict__ svh_addr,
-                const int* __restrict__ variant, int num_experts, int hidden, int inter, float* __restrict__ part,
+                const int* __restrict__ k2, const int* __restrict__ codebook, int num_stages,
+                const long long* __restrict__ stage_addr, const int* __restrict__ stage_k2,
+                const int* __restrict__ stage_codebook, const float* __restrict__ stage_scale,
+                const float* __restrict__ bias, int num_experts, int hidden, int inter, float* __restrict__ part,
                 int capacity, unsigned short* __restrict__ h_rot, int* __restrict__ counters, int ktiles_per_split,
-                int splits, int activation, int has_limit, float limit) {
-    __shared__ __align__(16) unsigned short xs[16 * XS];
+                int splits, int activation, int has_limit, float limit, const unsigned short* __restrict__ x_rot) {
+    __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
     const int b = blockIdx.x;
     int expert, start, nrows;
     if (!route_block(b, block_expert, block_start, offsets, expert, start, nrows)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int proj = blockIdx.y & 1, cblock = blockIdx.y >> 1;
     const int index = proj * num_experts + expert;
-    const u32* words = reinterpret_cast<const u32*>(trellis_addr[index]);
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[index]);
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
-    const int jt0 = cblock * 8 + warp * 2, tiles_n = inter / 16;
+    const int jt0 = cblock * 8 + warp * NT, tiles_n = inter / 16, mtiles = (nrows + 15) / 16;
 
     auto stage = [&](int c0) {
+#if PRE_ROTATED
+        // x_rot holds this projection's rotated rows (moe_rotate_input): copy the chunk, zero rows past the block's.
+        copy_rows(xs, x_rot + (size_t)proj * capacity * hidden, start, nrows, hidden, c0);
+#else
         // xs = fp16(Hn128(x[token] * suh)) of this chunk; rows past the block's are zeroed once.
         if (c0 == kt0) {
-            for (int v = threadIdx.x; v < (16 - nrows) * 128; v += WARPS * 32) xs[(nrows + v / 128) * XS + v % 128] = 0;
+            for (int v = threadIdx.x; v < (BLOCK_M - nrows) * 128; v += WARPS * 32)
+                xs[(nrows + v / 128) * XS + v % 128] = 0;
         }
-        for (int r = warp; r < nrows; r += WARPS) {
-            const int token = sorted_slots[start + r] / top_k;
-            const int c = c0 * 16 + 4 * lane;
-            const unsigned short* xr = x + (size_t)token * stride_x + c;
-            float v[4];
-#pragma unroll
-            for (int j = 0; j < 4; j++) v[j] = input_to_float(xr[j], x_bf16) * half_to_float(suh[c + j]);
-            hadamard128_warp(v, lane);
-#pragma unroll
-            for (int j = 0; j < 4; j++) xs[r * XS + 4 * lane + j] = float_to_half(v[j] * INV_SQRT_128);
-        }
+        for (int r = warp; r < nrows; r += WARPS)
+            rotate_chunk(xs + r * XS, x + (size_t)(sorted_slots[start + r] / top_k) * stride_x, x_bf16, suh, c0, lane);
+#endif
     };
-    float acc[1][2][2][4];
+    float acc[MT][NT][2][4];
     zero_acc(acc);
-    DISPATCH_GATE_UP
+    DISPATCH_GATE_UP(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
+    add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+               [&](const u32* words, int key) { STAGE_DISPATCH_GATE_UP(acc, words, key) });
     const size_t split_stride = (size_t)2 * capacity * inter;
     store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows, jt0);
     if (!last_arrival(counters + b * (inter / 128) + cblock, 2 * splits)) return;
@@ -82,6 +153,8 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const unsigned short* gate_svh = reinterpret_cast<const unsigned short*>(svh_addr[expert]);
     const unsigned short* up_svh = reinterpret_cast<const unsigned short*>(svh_addr[num_experts + expert]);
     const unsigned short* down_suh = reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]);
+    const float* gate_bias = bias != nullptr ? bias + (size_t)expert * inter : nullptr;
+    const float* up_bias = bias != nullptr ? bias + ((size_t)num_experts + expert) * inter : nullptr;
     for (int r = warp; r < nrows; r += WARPS) {
         float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f}, h[4];
         add_splits(g, part + (size_t)(start + r) * inter + c, split_stride, splits);
@@ -90,8 +163,8 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
         hadamard128_warp(u, lane);
 #pragma unroll
         for (int j = 0; j < 4; j++) {
-            const float gv = g[j] * INV_SQRT_128 * half_to_float(gate_svh[c + j]);
-            const float uv = u[j] * INV_SQRT_128 * half_to_float(up_svh[c + j]);
+            const float gv = g[j] * INV_SQRT_128 * half_to_float(gate_svh[c + j]) + bias_at(gate_bias, c + j);
+            const float uv = u[j] * INV_SQRT_128 * half_to_float(up_svh[c + j]) + bias_at(up_bias, c + j);
             h[j] = activate(gv, uv, activation, has_limit, limit) * half_to_float(down_suh[c + j]);
         }
         hadamard128_warp(h, lane);
@@ -104,44 +177,41 @@ extern "C" __global__ void __launch_bounds__(WARPS * 32)
 moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, const int* __restrict__ block_expert,
              const int* __restrict__ block_start, const int* __restrict__ offsets,
              const int* __restrict__ sorted_slots, const long long* __restrict__ trellis_addr,
-             const long long* __restrict__ svh_addr, const int* __restrict__ variant, int num_experts, int hidden,
-             int inter, float* __restrict__ part, int capacity, int* __restrict__ counters, int ktiles_per_split,
-             int splits) {
-    __shared__ __align__(16) unsigned short xs[16 * XS];
+             const long long* __restrict__ svh_addr, const int* __restrict__ k2, const int* __restrict__ codebook,
+             int num_stages, const long long* __restrict__ stage_addr, const int* __restrict__ stage_k2,
+             const int* __restrict__ stage_codebook, const float* __restrict__ stage_scale,
+             const float* __restrict__ bias, int num_experts, int hidden, int inter, float* __restrict__ part,
+             int capacity, int* __restrict__ counters, int ktiles_per_split, int splits) {
+    __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
     const int b = blockIdx.x;
     int expert, start, nrows;
     if (!route_block(b, block_expert, block_start, offsets, expert, start, nrows)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int cblock = blockIdx.y;
     const int index = 2 * num_experts + expert;
-    const u32* words = reinterpret_cast<const u32*>(trellis_addr[index]);
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
-    const int jt0 = cblock * 8 + warp * 2, tiles_n = hidden / 16;
+    const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 
-    auto stage = [&](int c0) {
-        // h_rot rows are down's rotated input already: copy the chunk, zero rows past the block's.
-        for (int v = threadIdx.x; v < 16 * 16; v += WARPS * 32) {
-            const int r = v >> 4, cc = (v & 15) * 8;
-            uint4 val = make_uint4(0, 0, 0, 0);
-            if (r < nrows) val = *reinterpret_cast<const uint4*>(h_rot + (size_t)(start + r) * inter + c0 * 16 + cc);
-            *reinterpret_cast<uint4*>(xs + r * XS + cc) = val;
-        }
-    };
-    float acc[1][2][2][4];
+    auto stage = [&](int c0) { copy_rows(xs, h_rot, start, nrows, inter, c0); };  // h_rot rows: rotated input
+    float acc[MT][NT][2][4];
     zero_acc(acc);
-    DISPATCH_DOWN
+    DISPATCH_DOWN(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
+    add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+               [&](const u32* words, int key) { STAGE_DISPATCH_DOWN(acc, words, key) });
     const size_t split_stride = (size_t)capacity * hidden;
     store_partials(acc, part + split * split_stride + (size_t)start * hidden, hidden, nrows, jt0);
     if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) return;
 
     const int c = cblock * 128 + 4 * lane;
     const unsigned short* svh = reinterpret_cast<const unsigned short*>(svh_addr[index]);
+    const float* down_bias = bias != nullptr ? bias + (size_t)expert * hidden : nullptr;
     for (int r = warp; r < nrows; r += WARPS) {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
         add_splits(v, part + (size_t)(start + r) * hidden + c, split_stride, splits);
         hadamard128_warp(v, lane);
         const size_t slot = sorted_slots[start + r];
 #pragma unroll
-        for (int j = 0; j < 4; j++) y[slot * hidden + c + j] = v[j] * INV_SQRT_128 * half_to_float(svh[c + j]);
+        for (int j = 0; j < 4; j++)
+            y[slot * hidden + c + j] = v[j] * INV_SQRT_128 * half_to_float(svh[c + j]) + bias_at(down_bias, c + j);
     }
 }

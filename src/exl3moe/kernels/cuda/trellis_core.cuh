@@ -141,11 +141,13 @@ __device__ __forceinline__ void hadamard128_warp(float (&v)[4], int lane) {
 }
 
 // Block-wide k loop over k-tiles [kt0, kt1) (whole chunks of CHUNK): before each chunk, stage(c0) fills xs
-// (16 MT_ rows x 128 inputs, fp16, row stride XS) between barriers; each warp multiplies it by its NT_ n16 tiles
-// of W_inner from tile column jt0, prefetching PF_ k-tiles of trellis words. acc += xs @ W.
+// (16 MT_ rows x 128 inputs, fp16, row stride XS) between barriers; each warp multiplies its first `mtiles` m16
+// tiles by its NT_ n16 tiles of W_inner from tile column jt0, prefetching PF_ k-tiles of trellis words.
+// acc += xs @ W (m16 tiles from `mtiles` on are left as they are).
 template <int K2_, int CB_, int MT_, int NT_, int PF_, class Stage>
 __device__ __forceinline__ void mma_mainloop(float (&acc)[MT_][NT_][2][4], const u32* __restrict__ words, int tiles_n,
-                                             int jt0, int kt0, int kt1, const unsigned short* xs, Stage&& stage) {
+                                             int jt0, int kt0, int kt1, int mtiles, const unsigned short* xs,
+                                             Stage&& stage) {
     using T = Trellis<K2_, CB_>;
     const int lane = threadIdx.x & 31;
     // This lane's word pointers inside the first tile of its column, and the shift that aligns its first bit.
@@ -179,17 +181,21 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[MT_][NT_][2][4], const
 #pragma unroll
         for (int s = 0; s < CHUNK; s++) {
             const int slot = s % PF_;
-            u32 a[MT_][4];
+            // All B fragments, then A fragments double-buffered: 8 registers of A instead of MT_ x 4.
+            u32 b[NT_][4], a[2][4];
 #pragma unroll
-            for (int mt = 0; mt < MT_; mt++) ldmatrix_x4(a[mt], xs_lane + (mt * 16 * XS + s * 16) * 2);
+            for (int nt = 0; nt < NT_; nt++) T::decode_tile(buf[slot][nt], sh, b[nt]);
+            ldmatrix_x4(a[0], xs_lane + s * 16 * 2);
 #pragma unroll
-            for (int nt = 0; nt < NT_; nt++) {
-                u32 b[4];
-                T::decode_tile(buf[slot][nt], sh, b);
+            for (int mt = 0; mt < MT_; mt++) {
+                if (mt + 1 < MT_ && mt + 1 < mtiles)
+                    ldmatrix_x4(a[(mt + 1) & 1], xs_lane + ((mt + 1) * 16 * XS + s * 16) * 2);
+                if (mt < mtiles) {
 #pragma unroll
-                for (int mt = 0; mt < MT_; mt++) {
-                    mma16816(acc[mt][nt][0], a[mt], b[0], b[1]);
-                    mma16816(acc[mt][nt][1], a[mt], b[2], b[3]);
+                    for (int nt = 0; nt < NT_; nt++) {
+                        mma16816(acc[mt][nt][0], a[mt & 1], b[nt][0], b[nt][1]);
+                        mma16816(acc[mt][nt][1], a[mt & 1], b[nt][2], b[nt][3]);
+                    }
                 }
             }
 #pragma unroll
@@ -262,4 +268,16 @@ __device__ __forceinline__ void add_splits(float (&v)[4], const float* p, size_t
         const float4 q = __ldcg(reinterpret_cast<const float4*>(p + s * split_stride));
         v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
     }
+}
+
+template <int MT_, int NT_>
+__device__ __forceinline__ void scale_acc(float (&acc)[MT_][NT_][2][4], float f) {
+#pragma unroll
+    for (int mt = 0; mt < MT_; mt++)
+#pragma unroll
+        for (int nt = 0; nt < NT_; nt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[mt][nt][h][e] *= f;
 }

@@ -42,7 +42,7 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
 
     float acc[MT][NT][2][4];
     zero_acc(acc);
-    mma_mainloop<K2, CB, MT, NT, PF>(acc, words, tiles_n, jt0, kt0, kt1, xs, [&](int c0) {
+    mma_mainloop<K2, CB, MT, NT, PF>(acc, words, tiles_n, jt0, kt0, kt1, (block_rows + 15) / 16, xs, [&](int c0) {
 #if FUSE_IN
         // xs = fp16(Hn128(x * suh)) of this chunk's 128 inputs, one row per warp at a time (rows past `rows` are
         // zeroed once, before the first chunk).
