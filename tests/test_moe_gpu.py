@@ -122,16 +122,19 @@ def test_deterministic_and_batch_invariant_at_full_shape(qwen3_layer, T, block_m
 
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16])
 def test_cuda_and_triton_experts_match_float64(x_dtype, monkeypatch):
+    """Routed and shared experts on both backends; 200 tokens take 64-row shared blocks (pre-rotated rows)."""
     E, H, I, top_k = 16, 512, 384, 4
     layer = random_experts(E, H, I, [4, 2, 3.5, 8], ["mcg", "3inst", "mul1", "mcg"], seed=7)
-    for T in (1, 7, 40):
+    shared = random_experts(1, H, 640, [3], ["mul1"], seed=8, name="shared")
+    for T in (1, 7, 40, 200):
         x = (torch.randn(T, H, device="cuda") / 8).to(x_dtype)
         ids, weights = routing(T, E, top_k, 10 + T)
-        ref = moe(x, layer, ids, weights)
+        ids[::5, 1] = -1
+        ref = moe(x, layer, ids, weights, shared)
         for backend in ("1", "0"):
             monkeypatch.setenv("EXL3MOE_CUDA_KERNELS", backend)
-            plan = moe_plan(layer, T, top_k)
-            assert (plan.mma is not None) == (backend == "1")
+            plan = moe_plan(layer, T, top_k, shared=shared)
+            assert (plan.mma is not None) == (plan.shared_mma is not None) == (backend == "1")
             out = torch.empty(T, H, device="cuda", dtype=torch.float16)
             plan.bind(plan.allocate()).run(x, ids, weights, out)
             assert rel_l2(out, ref) < 2e-3, (T, backend, rel_l2(out, ref))

@@ -104,10 +104,11 @@ def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
 
 
 def workspace_numels(plan: MoeMmaPlan, capacity: int, max_blocks: int, hidden: int, inter: int) -> dict:
-    """fp32 partials of gate/up and down, and int32 arrival counters (zeroed once; kernels reset them)."""
+    """Elements of the fp32 partials of gate/up and down, the int32 arrival counters (zeroed once; kernels reset
+    them) and the pre-rotated fp16 inputs."""
     return {"gate_up_partial": plan.gate_up_splits * 2 * capacity * inter,
             "down_partial": plan.down_splits * capacity * hidden,
-            "counters": max_blocks * (inter // 128 + hidden // 128),
+            "gate_up_counters": max_blocks * (inter // 128), "down_counters": max_blocks * (hidden // 128),
             "x_rot": 2 * capacity * hidden if plan.pre_rotate else 0}
 
 

@@ -3,9 +3,10 @@
 Per chunk of tokens (chunk size fixed by the plan, so the launch sequence depends on T alone):
 
     route_pack   (1 or 3 launches)  expert histogram, offsets, stable sort of slots, route-block tables
+    rotate       (CUDA experts, 64+ row route blocks) gate and up inputs rotated once per routed row
     gate/up      (1 launch)         h_rot[pos] = rotated down input of act(gate(x), up(x)), fp16
     down         (1 launch)         y[slot] = down(h), fp32, unweighted
-    shared       (2 launches, optional) the shared expert's gate/up and down over the chunk's tokens
+    shared       (2-3 launches, optional) the shared expert's (rotate,) gate/up and down over the chunk's tokens
     combine      (1 launch)         out[t] = sum_j w[t, j] y[t*top_k + j] (+ shared[t]) in slot order
 
 Workspace: h_rot [capacity, I] fp16, y [capacity, H] fp32, the route tables, and the shared expert's
@@ -152,18 +153,23 @@ class MoEPlan:
         # CUDA C++ experts where they can run (compiled here, before any capture); the Triton kernels otherwise.
         self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_max_k2) if cuda else None
         if self.mma is not None:
-            sizes = workspace_numels(self.mma, S, max_blocks, H, I)
-            self._layout += [("mma_gate_up_partial", sizes["gate_up_partial"], torch.float32),
-                             ("mma_down_partial", sizes["down_partial"], torch.float32),
-                             ("mma_counters", sizes["counters"], torch.int32)]
-            if sizes["x_rot"]:
-                self._layout.append(("mma_x_rot", sizes["x_rot"], torch.float16))
-            self.mma_down_counters_at = max_blocks * (I // 128)
+            self._layout += _mma_layout("mma_", self.mma, S, max_blocks, H, I)
         elif self.gate_up_splits > 1:
             self._layout.append(("gate_up_partial", self.gate_up_splits * 2 * S * I, torch.float32))
+        self.shared_mma = None
         if shared is not None:
             self._layout += [("shared_h_rot", self.chunk_tokens * shared.intermediate_size, torch.float16),
                              ("shared_y", self.chunk_tokens * H, torch.float32)]
+            if nvrtc.available(self.device) and supported(shared, 0):
+                self.shared_block_m = route_block_rows(self.chunk_tokens, 1, CUDA_MAX_BLOCK_M)
+                self.shared_mma = plan_moe_mma(shared, self.chunk_tokens, self.shared_block_m)
+                blocks = triton.cdiv(self.chunk_tokens, self.shared_block_m)
+                self._layout += _mma_layout("shared_mma_", self.shared_mma, self.chunk_tokens, blocks, H,
+                                            shared.intermediate_size)
+                # The shared expert's fixed route: token t is slot t, blocks of shared_block_m rows in order.
+                rows = torch.arange(self.chunk_tokens + 1, dtype=torch.int32)
+                self.shared_route = (torch.zeros(blocks, dtype=torch.int32, device=self.device),
+                                     (rows[:blocks] * self.shared_block_m).to(self.device), rows.to(self.device))
         self.workspace_bytes = sum(_padded_bytes(n, dt) for _, n, dt in self._layout)
 
     def bind(self, workspace: torch.Tensor) -> "MoERunner":
@@ -181,8 +187,9 @@ class MoEPlan:
             size = numel * _itemsize(dtype)
             views[name] = workspace[offset:offset + size].view(dtype)
             offset += _padded_bytes(numel, dtype)
-        if "mma_counters" in views:
-            views["mma_counters"].zero_()
+        for name, view in views.items():
+            if name.endswith("_counters"):
+                view.zero_()
         return MoERunner(self, views)
 
     def allocate(self) -> torch.Tensor:
@@ -219,6 +226,14 @@ class MoEPlan:
             if getattr(t, field) is not None:
                 getattr(t, field).copy_(getattr(new, field))
         self.experts = swapped
+
+
+def _mma_layout(prefix: str, mma, capacity: int, max_blocks: int, hidden: int, inter: int) -> list:
+    """Workspace entries of the CUDA experts: fp32 partials, arrival counters, pre-rotated inputs."""
+    dtypes = {"gate_up_partial": torch.float32, "down_partial": torch.float32, "gate_up_counters": torch.int32,
+              "down_counters": torch.int32, "x_rot": torch.float16}
+    sizes = workspace_numels(mma, capacity, max_blocks, hidden, inter)
+    return [(prefix + key, numel, dtypes[key]) for key, numel in sizes.items() if numel]
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -303,16 +318,8 @@ class MoERunner:
                                              block_m=plan.block_m),
         }
         if plan.mma is not None:
-            counters, split = ws["mma_counters"], plan.mma_down_counters_at
-            capacity, x_rot = plan.slot_capacity, ws.get("mma_x_rot")
-            if x_rot is not None:
-                launches["rotate"] = lambda: moe_rotate_input(hidden, x_rot, route, top_k, tables, plan.mma, max_blocks,
-                                                              capacity)
-            launches["gate_up"] = lambda: moe_gate_up_mma(hidden, ws["h_rot"], route, top_k, tables, plan.mma,
-                                                          ws["mma_gate_up_partial"], counters[:split], max_blocks,
-                                                          capacity, x_rot)
-            launches["down"] = lambda: moe_down_mma(ws["h_rot"], ws["y"], route, tables, plan.mma,
-                                                    ws["mma_down_partial"], counters[split:], max_blocks, capacity)
+            launches.update(_mma_launches("", hidden, ws, ws["h_rot"], ws["y"], route, top_k, tables, plan.mma,
+                                          max_blocks, plan.slot_capacity))
         else:
             launches["gate_up"] = lambda: moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks,
                                                       True, plan.block_m, plan.decode_k,
@@ -320,7 +327,15 @@ class MoERunner:
             launches["down"] = lambda: moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True,
                                                 plan.block_m, plan.decode_k)
         shared_y = None
-        if plan.shared_tables is not None:
+        if plan.shared_mma is not None:
+            shared_blocks = triton.cdiv(rows, plan.shared_block_m)
+            only_expert, starts, row_counts = plan.shared_route
+            # offsets[1] (all route_block reads of expert 0) is row_counts[rows]: the chunk's row count.
+            shared_route = (only_expert[:shared_blocks], starts[:shared_blocks], row_counts[rows - 1:], row_counts)
+            launches.update(_mma_launches("shared_", hidden, ws, ws["shared_h_rot"], ws["shared_y"], shared_route, 1,
+                                          plan.shared_tables, plan.shared_mma, shared_blocks, plan.chunk_tokens))
+            shared_y = ws["shared_y"]
+        elif plan.shared_tables is not None:
             unused = (ws["counts"],) * 4
             blocks = triton.cdiv(rows, plan.shared_block_m)
             launches["shared_gate_up"] = lambda: moe_gate_up(hidden, ws["shared_h_rot"], unused, rows, 1,
@@ -332,6 +347,22 @@ class MoERunner:
             shared_y = ws["shared_y"]
         launches["combine"] = lambda: moe_combine(topk_ids, topk_weights, ws["y"], shared_y, out, E)
         return launches
+
+
+def _mma_launches(name: str, hidden, ws: dict, h_rot, y, route, top_k: int, tables, mma, blocks: int,
+                  capacity: int) -> dict:
+    """The CUDA experts' launches (rotate, gate/up, down) over workspace entries with prefix name + "mma_"."""
+    prefix = name + "mma_"
+    x_rot = ws.get(prefix + "x_rot")
+    launches = {}
+    if x_rot is not None:
+        launches[name + "rotate"] = lambda: moe_rotate_input(hidden, x_rot, route, top_k, tables, mma, blocks, capacity)
+    launches[name + "gate_up"] = lambda: moe_gate_up_mma(hidden, h_rot, route, top_k, tables, mma,
+                                                         ws[prefix + "gate_up_partial"],
+                                                         ws[prefix + "gate_up_counters"], blocks, capacity, x_rot)
+    launches[name + "down"] = lambda: moe_down_mma(h_rot, y, route, tables, mma, ws[prefix + "down_partial"],
+                                                   ws[prefix + "down_counters"], blocks, capacity)
+    return launches
 
 
 def _projection_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, proj: str, e: int) -> torch.Tensor:
