@@ -140,6 +140,18 @@ def test_edge_cases(case, path):
 
 
 @pytest.mark.parametrize("path", [{}, CHUNKED], ids=["one", "chunked"])
+def test_block_bound_is_reached_without_overflow(path):
+    """route_pack_max_blocks = ceil(N / block_m) + min(E, N): one row on each of N experts, and block_m + 1 rows
+    on each of E experts (two blocks each), both fit exactly the tables it sizes."""
+    one_each = torch.randperm(64, generator=torch.Generator().manual_seed(5))[:24].reshape(3, 8)
+    check_route_pack(one_each.to(torch.int32), 64, block_m=16, **path)
+    assert route_pack_max_blocks(24, 64, 16) == 26
+    two_each = (torch.arange(17 * 8) % 8).reshape(17, 8)
+    check_route_pack(two_each.to(torch.int64), 8, block_m=16, **path)
+    assert route_pack_max_blocks(17 * 8, 8, 16) == 17
+
+
+@pytest.mark.parametrize("path", [{}, CHUNKED], ids=["one", "chunked"])
 def test_extra_block_capacity_is_filled(path):
     generator = torch.Generator().manual_seed(3)
     ids = random_ids(40, 8, 16, torch.int32, generator)

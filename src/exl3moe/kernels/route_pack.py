@@ -12,7 +12,7 @@ Given `topk_ids` [T, top_k] (int32 or int64, any values, contiguous), with N = T
   expert order: expert e gets ceil(counts[e] / block_m) blocks. `block_expert` [max_blocks] and
   `block_start` [max_blocks] (row of the block in sorted_slots); `num_blocks` [1]. Entries at and past
   num_blocks hold block_expert = -1 and block_start = N, so a persistent kernel can skip them.
-  max_blocks = route_pack_max_blocks(N, E, block_m) = ceil(N/block_m) + E is always enough.
+  max_blocks = route_pack_max_blocks(N, E, block_m) = ceil(N/block_m) + min(E, N) is always enough.
 - `workspace` [route_pack_workspace_numel(N, E)]: workspace[:E+1] holds the exclusive prefix of block
   counts per expert (workspace[E] = num_blocks); the rest is scratch of the many-slot path.
 
@@ -48,8 +48,8 @@ BLOCK_TABLE_TILE = 256
 
 
 def route_pack_max_blocks(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Upper bound on route blocks: every expert may waste one partial block."""
-    return triton.cdiv(num_slots, block_m) + num_experts
+    """Upper bound on route blocks: each of the at most min(E, N) experts with rows may waste one partial block."""
+    return triton.cdiv(num_slots, block_m) + min(num_experts, num_slots)
 
 
 def _uses_small_path(num_slots: int, small_max_slots: int) -> bool:
