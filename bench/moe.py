@@ -38,8 +38,8 @@ def routings(T, E, top_k, gen):
     return out
 
 
-def time_exl3(experts, T, top_k, gen):
-    plan = moe_plan(experts, T, top_k)
+def time_exl3(experts, T, top_k, gen, shared=None):
+    plan = moe_plan(experts, T, top_k, shared=shared)
     runner = plan.bind(plan.allocate())
     x = (torch.randn(T, experts.hidden_size, device="cuda", generator=gen) * 0.3).half()
     out = torch.empty(T, experts.hidden_size, device="cuda", dtype=torch.float16)
@@ -53,8 +53,9 @@ def bf16_layer(hidden, inter, E, gen):
     return gate_up, down
 
 
-def bf16_moe(x, ids, weights, gate_up, down, out):
-    """The same routed layer in bf16: sort slots by expert, grouped GEMMs, SiLU gate, weighted scatter-add."""
+def bf16_moe(x, ids, weights, gate_up, down, out, shared=None):
+    """The same routed layer in bf16: sort slots by expert, grouped GEMMs, SiLU gate, weighted scatter-add;
+    plus a dense shared expert (gate_up [H, 2 I_s], down [I_s, H]) when given."""
     T, top_k = ids.shape
     E = gate_up.shape[0]
     flat = ids.reshape(-1).long()
@@ -68,12 +69,16 @@ def bf16_moe(x, ids, weights, gate_up, down, out):
     y = y * weights.reshape(-1)[order, None].to(y.dtype)
     out.zero_()
     out.index_add_(0, order // top_k, y.to(out.dtype))
+    if shared is not None:
+        g, u = (x @ shared[0]).chunk(2, dim=-1)
+        out += (torch.nn.functional.silu(g) * u) @ shared[1]
 
 
-def time_bf16(layer, hidden, E, T, top_k, gen):
+def time_bf16(layer, hidden, E, T, top_k, gen, shared=None):
     x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     out = torch.empty(T, hidden, device="cuda", dtype=torch.bfloat16)
-    calls = [lambda r=r: bf16_moe(x, r[0], r[1], layer[0], layer[1], out) for r in routings(T, E, top_k, gen)]
+    calls = [lambda r=r: bf16_moe(x, r[0], r[1], layer[0], layer[1], out, shared)
+             for r in routings(T, E, top_k, gen)]
     return time_graph(calls, replays=10)
 
 
@@ -115,15 +120,17 @@ def main(args):
     for shape in args.shapes:
         hidden, inter, E, top_k = SHAPES[shape]
         base = bf16_layer(hidden, inter, E, gen)
-        bf16 = {T: time_bf16(base, hidden, E, T, top_k, gen) for T in args.tokens}
+        bf16_shared = [t[0] for t in bf16_layer(hidden, inter, 1, gen)] if args.shared else None
+        bf16 = {T: time_bf16(base, hidden, E, T, top_k, gen, bf16_shared) for T in args.tokens}
         del base
         for label in args.layers:
             key = int(label) if label.isdigit() else label
             experts = random_layer(hidden, inter, E, LAYERS[key], args.codebook, gen)
+            shared = random_layer(hidden, inter, 1, LAYERS[key][:1], args.codebook, gen) if args.shared else None
             for T in args.tokens:
-                us = time_exl3(experts, T, top_k, gen)
+                us = time_exl3(experts, T, top_k, gen, shared)
                 results.append(dict(shape=shape, K=key, codebook=args.codebook, tokens=T, us=round(us, 1),
-                                    bf16_us=round(bf16[T], 1)))
+                                    bf16_us=round(bf16[T], 1), **({"shared": True} if args.shared else {})))
                 print(f"{shape:14s} K={str(key):10s} {args.codebook} T={T:5d} {us:9.1f} us  bf16 {bf16[T]:8.1f} us "
                       f"ratio {us / bf16[T]:5.2f}", flush=True)
             del experts
@@ -138,6 +145,7 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", nargs="+", type=int, default=TOKENS)
     ap.add_argument("--codebook", default="mcg")
     ap.add_argument("--stages", action="store_true", help="residual-stage variants (issue: additive stages)")
+    ap.add_argument("--shared", action="store_true", help="add one shared expert of the routed width (as GLM-4.5)")
     a = ap.parse_args()
     res = main(a)
     with open(a.out, "w") as fh:

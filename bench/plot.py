@@ -44,7 +44,7 @@ def plot_linear(doc):
 def plot_moe(doc):
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for ax, shape in zip(axes, ("qwen3-30b-a3b", "glm-4.5-air")):
-        res = [r for r in doc["results"] if r["shape"] == shape and "stages" not in r]
+        res = [r for r in doc["results"] if r["shape"] == shape and "stages" not in r and "shared" not in r]
         for K in dict.fromkeys(r["K"] for r in res):
             sel = [r for r in res if r["K"] == K]
             kernels = sel[0].get("experts", "triton")
@@ -85,7 +85,7 @@ def linear_table(doc):
 def moe_table(doc):
     out = ["| shape | K | tokens | exl3moe us | bf16 grouped_mm us | exllamav3 K4 us |", "|---|---|---|---|---|---|"]
     for r in doc["results"]:
-        if r["K"] == 4 and "stages" not in r:
+        if r["K"] == 4 and "stages" not in r and "shared" not in r:
             out.append(f"| {r['shape']} | 4 | {r['tokens']} | {r['us']} | {r['bf16_us']} | "
                        f"{EXL3_MOE[r['shape']].get(r['tokens'], 'n/a')} |")
     return "\n".join(out)
