@@ -129,7 +129,7 @@ def _check_stage(stage: ResidualStage, s: int, experts: ExpertSet, shapes: dict)
         raise ContractError(f"{name}.scales", "must be finite")
     magnitude = scales.abs()[scales != 0]
     if bool(((magnitude < MIN_STAGE_SCALE) | (magnitude > 1 / MIN_STAGE_SCALE)).any()):
-        raise ContractError(f"{name}.scales", f"nonzero scales must lie within [2^-40, 2^40] in magnitude "
+        raise ContractError(f"{name}.scales", "nonzero scales must lie within [2^-40, 2^40] in magnitude "
                             "(kernels divide by them)")
     for p, proj in enumerate(PROJECTIONS):
         residuals = getattr(stage, proj)
