@@ -210,8 +210,9 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[MT_][NT_][2][4], const
     }
 }
 
-template <int MT_, int NT_>
-__device__ __forceinline__ void zero_acc(float (&acc)[MT_][NT_][2][4]) {
+// acc = f(acc), element by element.
+template <int MT_, int NT_, class F>
+__device__ __forceinline__ void each_acc(float (&acc)[MT_][NT_][2][4], F f) {
 #pragma unroll
     for (int mt = 0; mt < MT_; mt++)
 #pragma unroll
@@ -219,7 +220,12 @@ __device__ __forceinline__ void zero_acc(float (&acc)[MT_][NT_][2][4]) {
 #pragma unroll
             for (int h = 0; h < 2; h++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) acc[mt][nt][h][e] = 0.f;
+                for (int e = 0; e < 4; e++) acc[mt][nt][h][e] = f(acc[mt][nt][h][e]);
+}
+
+template <int MT_, int NT_>
+__device__ __forceinline__ void zero_acc(float (&acc)[MT_][NT_][2][4]) {
+    each_acc(acc, [](float) { return 0.f; });
 }
 
 // Rows [0, rows) of the warp's accumulators to base[r * row_stride + col] (fp32, through L2 for the reducer).
@@ -272,12 +278,5 @@ __device__ __forceinline__ void add_splits(float (&v)[4], const float* p, size_t
 
 template <int MT_, int NT_>
 __device__ __forceinline__ void scale_acc(float (&acc)[MT_][NT_][2][4], float f) {
-#pragma unroll
-    for (int mt = 0; mt < MT_; mt++)
-#pragma unroll
-        for (int nt = 0; nt < NT_; nt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[mt][nt][h][e] *= f;
+    each_acc(acc, [f](float a) { return a * f; });
 }
