@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Profile the linear matmul kernel with Nsight Compute on the H200: stall reasons, issue rate, shared-memory traffic.
-# Usage (device machine): bash scripts/ncu_linear.sh [rows]   -> $OUT/linear_ncu.txt
+# Usage (device machine): bash scripts/ncu_linear.sh [rows] [kernel regex]   -> $OUT/linear_ncu.txt
+# The default regex matches the CUDA C++ kernel (trellis_mma) and the Triton one (EXL3MOE_CUDA_KERNELS=0).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 ROWS="${1:-1}"
+KERNEL="${2:-trellis_mma\$|_trellis_matmul_kernel}"
 cat > /tmp/ncu_target.py <<PY
 import torch
 from exl3moe import EXL3Weight
@@ -22,9 +24,9 @@ for _ in range(3):
     runner.run(x, out)
 torch.cuda.synchronize()
 PY
-ncu --clock-control none --kernel-name regex:_trellis_matmul_kernel --launch-skip 2 --launch-count 1 \
+ncu --clock-control none --kernel-name "regex:$KERNEL" --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
-    --section InstructionStats --section Occupancy --section LaunchStats \
+    --section InstructionStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
     python3 /tmp/ncu_target.py > "$OUT/linear_ncu.txt" 2>&1
 grep -E "Duration|Issued Ipc|Warp Cycles Per Issued|Stall|Achieved Occupancy|Registers Per|Shared Memory|Throughput" \
     "$OUT/linear_ncu.txt" | head -40
