@@ -21,6 +21,8 @@ sizes.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import triton
 
@@ -303,7 +305,8 @@ class MoERunner:
             launch()
 
     def chunk_launches(self, hidden, topk_ids, topk_weights, out) -> dict:
-        """The launches of one chunk, in call order, as named callables (run calls them all; probes time each)."""
+        """The launches of one chunk, in call order, as named callables (run calls them all; probes time each).
+        Arguments are bound when the dict is built (functools.partial), never looked up later by name."""
         plan, ws, tables = self.plan, self._ws, self.plan.tables
         rows, top_k = topk_ids.shape
         E, slots = tables.num_experts, rows * top_k
@@ -312,20 +315,19 @@ class MoERunner:
         sorted_slots = ws["sorted_slots"][:slots]
         route = (block_expert, block_start, ws["offsets"], sorted_slots)
         launches = {
-            "route_pack": lambda: route_pack(topk_ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert,
-                                             block_start, ws["num_blocks"],
-                                             ws["route_workspace"][:route_pack_workspace_numel(slots, E)],
-                                             block_m=plan.block_m),
+            "route_pack": partial(route_pack, topk_ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert,
+                                  block_start, ws["num_blocks"],
+                                  ws["route_workspace"][:route_pack_workspace_numel(slots, E)], block_m=plan.block_m),
         }
         if plan.mma is not None:
             launches.update(_mma_launches("", hidden, ws, ws["h_rot"], ws["y"], route, top_k, tables, plan.mma,
                                           max_blocks, plan.slot_capacity))
         else:
-            launches["gate_up"] = lambda: moe_gate_up(hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks,
-                                                      True, plan.block_m, plan.decode_k,
-                                                      partial=ws.get("gate_up_partial"), splits=plan.gate_up_splits)
-            launches["down"] = lambda: moe_down(ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True,
-                                                plan.block_m, plan.decode_k)
+            launches["gate_up"] = partial(moe_gate_up, hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks,
+                                          True, plan.block_m, plan.decode_k, partial=ws.get("gate_up_partial"),
+                                          splits=plan.gate_up_splits)
+            launches["down"] = partial(moe_down, ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True,
+                                       plan.block_m, plan.decode_k)
         shared_y = None
         if plan.shared_mma is not None:
             shared_blocks = triton.cdiv(rows, plan.shared_block_m)
@@ -338,14 +340,12 @@ class MoERunner:
         elif plan.shared_tables is not None:
             unused = (ws["counts"],) * 4
             blocks = triton.cdiv(rows, plan.shared_block_m)
-            launches["shared_gate_up"] = lambda: moe_gate_up(hidden, ws["shared_h_rot"], unused, rows, 1,
-                                                             plan.shared_tables, blocks, False, plan.shared_block_m,
-                                                             plan.decode_k)
-            launches["shared_down"] = lambda: moe_down(ws["shared_h_rot"], ws["shared_y"], unused, rows,
-                                                       plan.shared_tables, blocks, False, plan.shared_block_m,
-                                                       plan.decode_k)
+            launches["shared_gate_up"] = partial(moe_gate_up, hidden, ws["shared_h_rot"], unused, rows, 1,
+                                                 plan.shared_tables, blocks, False, plan.shared_block_m, plan.decode_k)
+            launches["shared_down"] = partial(moe_down, ws["shared_h_rot"], ws["shared_y"], unused, rows,
+                                              plan.shared_tables, blocks, False, plan.shared_block_m, plan.decode_k)
             shared_y = ws["shared_y"]
-        launches["combine"] = lambda: moe_combine(topk_ids, topk_weights, ws["y"], shared_y, out, E)
+        launches["combine"] = partial(moe_combine, topk_ids, topk_weights, ws["y"], shared_y, out, E)
         return launches
 
 
@@ -356,12 +356,13 @@ def _mma_launches(name: str, hidden, ws: dict, h_rot, y, route, top_k: int, tabl
     x_rot = ws.get(prefix + "x_rot")
     launches = {}
     if x_rot is not None:
-        launches[name + "rotate"] = lambda: moe_rotate_input(hidden, x_rot, route, top_k, tables, mma, blocks, capacity)
-    launches[name + "gate_up"] = lambda: moe_gate_up_mma(hidden, h_rot, route, top_k, tables, mma,
-                                                         ws[prefix + "gate_up_partial"],
-                                                         ws[prefix + "gate_up_counters"], blocks, capacity, x_rot)
-    launches[name + "down"] = lambda: moe_down_mma(h_rot, y, route, tables, mma, ws[prefix + "down_partial"],
-                                                   ws[prefix + "down_counters"], blocks, capacity)
+        launches[name + "rotate"] = partial(moe_rotate_input, hidden, x_rot, route, top_k, tables, mma, blocks,
+                                            capacity)
+    launches[name + "gate_up"] = partial(moe_gate_up_mma, hidden, h_rot, route, top_k, tables, mma,
+                                         ws[prefix + "gate_up_partial"], ws[prefix + "gate_up_counters"], blocks,
+                                         capacity, x_rot)
+    launches[name + "down"] = partial(moe_down_mma, h_rot, y, route, tables, mma, ws[prefix + "down_partial"],
+                                      ws[prefix + "down_counters"], blocks, capacity)
     return launches
 
 
