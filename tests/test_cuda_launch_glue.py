@@ -60,22 +60,34 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
     runner = plan.bind(plan.allocate())
     x = torch.randn(T, 256).half()
     ids = torch.randint(0, 8, (T, 2), generator=g, dtype=torch.int32)
-    calls = runner.chunk_launches(x, ids, torch.rand(T, 2, generator=g), torch.empty(T, 256).half())
-    expected = ["gate_up", "down", "shared_gate_up", "shared_down"]
-    if plan.mma.pre_rotate:
-        expected = ["rotate"] + expected[:2] + ["shared_rotate"] + expected[2:]
-    assert [name for name in calls if name not in ("route_pack", "combine")] == expected
-    for name in expected:
+    out = torch.empty(T, 256).half()
+    calls = runner.chunk_launches(x, ids, torch.rand(T, 2, generator=g), out)
+    if plan.mma.direct:
+        expected = ["shared_gate_up", "shared_down", "gate_up", "down"]
+    else:
+        expected = ["route_pack", "gate_up", "down", "shared_gate_up", "shared_down", "combine"]
+        if plan.mma.pre_rotate:
+            expected = ["route_pack", "rotate"] + expected[1:3] + ["shared_rotate"] + expected[3:]
+    assert list(calls) == expected
+    cuda = [name for name in expected if name not in ("route_pack", "combine")]
+    for name in cuda:
         calls[name]()
     check(launches)
     names = [func[1] for func, *_ in launches]
     assert names == ["moe_rotate_input" if n.endswith("rotate") else f"moe_{n.split('_', 1)[-1]}_mma"
-                     if n.startswith("shared") else f"moe_{n}_mma" for n in expected]
-    routed, shared_gate_up = [call for call in launches if call[0][1] == "moe_gate_up_mma"]
-    assert routed[3][3].data_ptr() == runner._ws["block_expert"].data_ptr(), "routed blocks come from the route pack"
+                     if n.startswith("shared") else f"moe_{n}_mma" for n in cuda]
+    shared_gate_up, routed = [call for call in launches if call[0][1] == "moe_gate_up_mma"][::1 if plan.mma.direct
+                                                                                             else -1]
     block_expert, block_start, offsets, slots = shared_gate_up[3][3:7]
     assert int(offsets[1]) == T and torch.equal(slots[:T], torch.arange(T, dtype=torch.int32))
     assert shared_gate_up[1][0] == -(-T // plan.shared_block_m) == block_expert.numel() == block_start.numel()
+    down = [call for call in launches if call[0][1] == "moe_down_mma"][-1 if plan.mma.direct else 0]
+    if plan.mma.direct:
+        assert routed[3][3] is ids and routed[1][0] == down[1][0] == ids.numel(), "one block per slot, from the ids"
+        assert down[3][-10] is ids and down[3][-5] is out and down[3][-1] == 2, "down combines into out"
+    else:
+        assert routed[3][3].data_ptr() == runner._ws["block_expert"].data_ptr(), "routed blocks from the route pack"
+        assert down[3][-10] is None, "the combine is its own launch"
 
 
 def test_linear_launches_match_the_kernel_signatures(launches):

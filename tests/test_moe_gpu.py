@@ -222,3 +222,32 @@ def test_cuda_experts_with_gelu_clamp_bias_and_stages_match_float64():
         plan.bind(plan.allocate()).run(x, ids, weights, out)
         ref = moe(x, layer, ids, weights)
         assert rel_l2(out, ref) < 2e-3, (T, block_m, rel_l2(out, ref))
+
+
+def test_direct_route_small_calls(qwen3_layer):
+    """Up to 64 slots a plan skips the route pack and combines in down: float64 agreement with a shared expert
+    and remote ids, fp16 / bf16 / fp32 output, batch invariance inside the plan, and graph replay."""
+    top_k, H, E = QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
+    shared = random_experts(1, H, 768, [4], ["mcg"], seed=60, name="shared")
+    plan = moe_plan(qwen3_layer, 8, top_k, shared=shared)
+    assert plan.mma is not None and plan.mma.direct
+    runner = plan.bind(plan.allocate())
+    x = (torch.randn(8, H, device="cuda") / 32).half()
+    ids, weights = routing(8, E, top_k, 61)
+    ids[1, :] = -1
+    ids[2, 3] = E
+    for dtype, limit in ((torch.float16, 2e-3), (torch.bfloat16, 6e-3), (torch.float32, 2e-3)):
+        out = torch.full((8, H), float("nan"), device="cuda", dtype=dtype)
+        runner.run(x, ids, weights, out)
+        assert rel_l2(out, moe(x, qwen3_layer, ids, weights, shared)) < limit, dtype
+    full = runner.run(x, ids, weights, torch.empty(8, H, device="cuda", dtype=torch.float16))
+    for n in (1, 3, 7):
+        part = runner.run(x[:n], ids[:n], weights[:n], torch.empty(n, H, device="cuda", dtype=torch.float16))
+        assert torch.equal(bits(part), bits(full[:n])), n
+    out = torch.empty(8, H, device="cuda", dtype=torch.float16)
+    graph = capture_allocation_free(lambda: runner.run(x, ids, weights, out), out)
+    new_ids, _ = routing(8, E, top_k, 62)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(bits(out), bits(runner.run(x, ids, weights, torch.empty_like(out))))

@@ -20,6 +20,7 @@ PREFETCH = 4
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
 STAGE_MAX_K2 = 8
 PRE_ROTATE_BLOCK_M = 64
+DIRECT_MAX_SLOTS = 64
 ROTATE_ROWS = 8  # rows per moe_rotate_input block (the kernel's constant)
 # Warps wanted in flight at the plan's largest call: below this the k range of gate/up and down is split.
 TARGET_WARPS = 4096
@@ -37,6 +38,7 @@ class MoeMmaPlan:
     down_splits: int
     down_ktiles: int
     pre_rotate: bool  # gate/up inputs rotated once per position by moe_rotate_input, not in every column block
+    direct: bool = False  # one block per slot, read from topk_ids (no route pack); down also combines
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -59,13 +61,20 @@ def pre_rotates(block_m: int) -> bool:
     return block_m >= PRE_ROTATE_BLOCK_M
 
 
+def direct_route(max_slots: int, block_m: int) -> bool:
+    """Up to DIRECT_MAX_SLOTS slots a call needs no route pack: each slot is a one-row block, and the last of a
+    token's slot blocks combines it (two launches fewer)."""
+    return block_m == 16 and max_slots <= DIRECT_MAX_SLOTS
+
+
 def warps_for(block_m: int) -> int:
     """4 warps of two n16 tiles up to 32 rows; 8 warps of one n16 tile above, so the accumulators fit registers."""
     return 4 if block_m <= 32 else 8
 
 
-def moe_mma_layout(experts, max_slots: int, block_m: int, stage_max_k2: int = 0) -> MoeMmaPlan:
-    """Formats and splits for an ExpertSet (no compilation); stage_max_k2 > 0 adds the stage formats."""
+def moe_mma_layout(experts, max_slots: int, block_m: int, stage_max_k2: int = 0, direct: bool = False) -> MoeMmaPlan:
+    """Formats and splits for an ExpertSet (no compilation); stage_max_k2 > 0 adds the stage formats; direct
+    routes each slot on its own (direct_route)."""
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
     fmt = [[(int(w.K * 2), CODEBOOK_ID[w.codebook]) for w in getattr(experts, p)] for p in ("gate", "up", "down")]
     warps = warps_for(block_m)
@@ -73,12 +82,13 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_max_k2: int = 0)
     gu_splits, gu_ktiles = chunk_splits(H, busy * (I // 128) * 2 * warps, TARGET_WARPS)
     d_splits, d_ktiles = chunk_splits(I, busy * (H // 128) * warps, TARGET_WARPS)
     return MoeMmaPlan(block_m, warps, tuple(sorted(set(fmt[0] + fmt[1]))), tuple(sorted(set(fmt[2]))),
-                      formats_up_to(stage_max_k2), gu_splits, gu_ktiles, d_splits, d_ktiles, pre_rotates(block_m))
+                      formats_up_to(stage_max_k2), gu_splits, gu_ktiles, d_splits, d_ktiles, pre_rotates(block_m),
+                      direct)
 
 
-def plan_moe_mma(experts, max_slots: int, block_m: int, stage_max_k2: int = 0) -> MoeMmaPlan:
+def plan_moe_mma(experts, max_slots: int, block_m: int, stage_max_k2: int = 0, direct: bool = False) -> MoeMmaPlan:
     """moe_mma_layout, with both kernels compiled for the layer's formats."""
-    plan = moe_mma_layout(experts, max_slots, block_m, stage_max_k2)
+    plan = moe_mma_layout(experts, max_slots, block_m, stage_max_k2, direct)
     return replace(plan, gate_up_kernel=_kernel(plan, "moe_gate_up_mma", experts.device),
                    down_kernel=_kernel(plan, "moe_down_mma", experts.device),
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
@@ -99,7 +109,8 @@ def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
         _dispatch("STAGE_DISPATCH_GATE_UP", plan.stage_formats if gate_up else empty, mt, nt),
         _dispatch("DISPATCH_DOWN", empty if gate_up else plan.down_formats, mt, nt),
         _dispatch("STAGE_DISPATCH_DOWN", empty if gate_up else plan.stage_formats, mt, nt)])
-    defines = (("PF", PREFETCH), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)))
+    defines = (("PF", PREFETCH), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)),
+               ("DIRECT_ROUTE", int(plan.direct)))
     return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude)
 
 
@@ -126,9 +137,9 @@ def moe_rotate_input(hidden, x_rot, route, top_k, tables, plan: MoeMmaPlan, grid
 
 
 def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, partial, counters, grid_blocks, capacity,
-                    x_rot=None):
+                    x_rot=None, ids_64=0):
     """h_rot[pos] = down's rotated input of act(gate(x), up(x)) for every routed position (CUDA path); x_rot
-    holds moe_rotate_input's rows when the plan pre-rotates."""
+    holds moe_rotate_input's rows when the plan pre-rotates; a direct plan's route starts with topk_ids."""
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     limit = float(tables.limit) if tables.limit is not None else 0.0
@@ -137,14 +148,23 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
                   sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2,
                   tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, partial, capacity, h_rot,
                   counters, plan.gate_up_ktiles, plan.gate_up_splits, ACTIVATIONS[tables.activation],
-                  int(tables.limit is not None), limit, x_rot])
+                  int(tables.limit is not None), limit, x_rot, ids_64])
 
 
-def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, grid_blocks, capacity):
-    """y[slot] = down(h) (fp32, unweighted) for every routed position (CUDA path)."""
+DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, grid_blocks, capacity, combine=None):
+    """y[slot] = down(h) (fp32, unweighted) for every routed position (CUDA path). A direct plan also combines:
+    combine = (topk_ids, topk_weights, shared_y or None, out, token_counters)."""
+    ids, weights, shared_y, out, token_counters = combine or (None, None, None, None, None)
+    combine_args = [ids, int(ids is not None and ids.dtype == torch.int64), weights,
+                    DTYPE_ID[weights.dtype] if weights is not None else 0, shared_y, out,
+                    DTYPE_ID[out.dtype] if out is not None else 0, out.stride(0) if out is not None else 0,
+                    token_counters, ids.shape[1] if ids is not None else 1]
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     nvrtc.launch(plan.down_kernel, (grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,
                   tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I, partial, capacity,
-                  counters, plan.down_ktiles, plan.down_splits])
+                  counters, plan.down_ktiles, plan.down_splits, *combine_args])

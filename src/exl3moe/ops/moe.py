@@ -9,6 +9,9 @@ Per chunk of tokens (chunk size fixed by the plan, so the launch sequence depend
     shared       (2-3 launches, optional) the shared expert's (rotate,) gate/up and down over the chunk's tokens
     combine      (1 launch)         out[t] = sum_j w[t, j] y[t*top_k + j] (+ shared[t]) in slot order
 
+A plan of at most 64 slots on the CUDA experts routes directly: the shared expert first, then gate/up and
+down over one block per slot read from topk_ids (no route pack), down's last block of each token combining it.
+
 Workspace: h_rot [capacity, I] fp16, y [capacity, H] fp32, the route tables, and the shared expert's
 [chunk tokens, I_s] fp16 and [chunk tokens, H] fp32, with capacity = chunk tokens x top_k slots: calls
 with more tokens are processed chunk by chunk, so scratch never grows with T.
@@ -32,8 +35,8 @@ from ..format.hadamard import hadamard_blockwise
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import (moe_down_mma, moe_gate_up_mma, moe_rotate_input, plan_moe_mma, supported,
-                                workspace_numels)
+from ..kernels.moe_mma import (direct_route, moe_down_mma, moe_gate_up_mma, moe_rotate_input, plan_moe_mma,
+                                supported, workspace_numels)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from ..reference.moe import activate
@@ -153,9 +156,15 @@ class MoEPlan:
             ("route_workspace", route_pack_workspace_numel(S, E), torch.int32),
         ]
         # CUDA C++ experts where they can run (compiled here, before any capture); the Triton kernels otherwise.
-        self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_max_k2) if cuda else None
+        direct = direct_route(S, self.block_m)
+        self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_max_k2, direct) if cuda else None
         if self.mma is not None:
-            self._layout += _mma_layout("mma_", self.mma, S, max_blocks, H, I)
+            # A direct plan's blocks are its slots (more than max_blocks when E < S).
+            self._layout += _mma_layout("mma_", self.mma, S, max(S, max_blocks) if direct else max_blocks, H, I)
+            if direct:
+                # Slot b is position b; the last of a token's slot blocks combines its 128 columns.
+                self.direct_slots = torch.arange(S, dtype=torch.int32).to(self.device)
+                self._layout.append(("mma_token_counters", self.chunk_tokens * (H // 128), torch.int32))
         elif self.gate_up_splits > 1:
             self._layout.append(("gate_up_partial", self.gate_up_splits * 2 * S * I, torch.float32))
         self.shared_mma = None
@@ -305,9 +314,13 @@ class MoERunner:
             launch()
 
     def chunk_launches(self, hidden, topk_ids, topk_weights, out) -> dict:
-        """The launches of one chunk, in call order, as named callables (run calls them all; probes time each).
-        Arguments are bound when the dict is built (functools.partial), never looked up later by name."""
-        plan, ws, tables = self.plan, self._ws, self.plan.tables
+        """The launches of one chunk, in call order, as named callables (run calls them all; probes time each)."""
+        plan, ws = self.plan, self._ws
+        shared = self._shared_launches(hidden, topk_ids.shape[0])
+        shared_y = ws["shared_y"] if shared else None
+        if plan.mma is not None and plan.mma.direct:
+            return {**shared, **self._direct_launches(hidden, topk_ids, topk_weights, out, shared_y)}
+        tables = plan.tables
         rows, top_k = topk_ids.shape
         E, slots = tables.num_experts, rows * top_k
         max_blocks = route_pack_max_blocks(slots, E, plan.block_m)
@@ -328,25 +341,43 @@ class MoERunner:
                                           splits=plan.gate_up_splits)
             launches["down"] = partial(moe_down, ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True,
                                        plan.block_m, plan.decode_k)
-        shared_y = None
+        launches.update(shared)
+        launches["combine"] = partial(moe_combine, topk_ids, topk_weights, ws["y"], shared_y, out, E)
+        return launches
+
+    def _direct_launches(self, hidden, topk_ids, topk_weights, out, shared_y) -> dict:
+        """A direct plan: gate/up and down over one block per slot, down combining each token when it is done."""
+        plan, ws, tables = self.plan, self._ws, self.plan.tables
+        slots = topk_ids.numel()
+        route = (topk_ids, plan.direct_slots, plan.direct_slots, plan.direct_slots)
+        ids_64 = int(topk_ids.dtype == torch.int64)
+        combine = (topk_ids, topk_weights, shared_y, out, ws["mma_token_counters"])
+        return {
+            "gate_up": partial(moe_gate_up_mma, hidden, ws["h_rot"], route, topk_ids.shape[1], tables, plan.mma,
+                               ws["mma_gate_up_partial"], ws["mma_gate_up_counters"], slots, plan.slot_capacity,
+                               None, ids_64),
+            "down": partial(moe_down_mma, ws["h_rot"], ws["y"], route, tables, plan.mma, ws["mma_down_partial"],
+                            ws["mma_down_counters"], slots, plan.slot_capacity, combine),
+        }
+
+    def _shared_launches(self, hidden, rows: int) -> dict:
+        """The shared expert's launches over the chunk's `rows` tokens (empty without a shared expert)."""
+        plan, ws = self.plan, self._ws
         if plan.shared_mma is not None:
             shared_blocks = triton.cdiv(rows, plan.shared_block_m)
             only_expert, starts, row_counts = plan.shared_route
             # offsets[1] (all route_block reads of expert 0) is row_counts[rows]: the chunk's row count.
             shared_route = (only_expert[:shared_blocks], starts[:shared_blocks], row_counts[rows - 1:], row_counts)
-            launches.update(_mma_launches("shared_", hidden, ws, ws["shared_h_rot"], ws["shared_y"], shared_route, 1,
-                                          plan.shared_tables, plan.shared_mma, shared_blocks, plan.chunk_tokens))
-            shared_y = ws["shared_y"]
-        elif plan.shared_tables is not None:
-            unused = (ws["counts"],) * 4
-            blocks = triton.cdiv(rows, plan.shared_block_m)
-            launches["shared_gate_up"] = partial(moe_gate_up, hidden, ws["shared_h_rot"], unused, rows, 1,
-                                                 plan.shared_tables, blocks, False, plan.shared_block_m, plan.decode_k)
-            launches["shared_down"] = partial(moe_down, ws["shared_h_rot"], ws["shared_y"], unused, rows,
-                                              plan.shared_tables, blocks, False, plan.shared_block_m, plan.decode_k)
-            shared_y = ws["shared_y"]
-        launches["combine"] = partial(moe_combine, topk_ids, topk_weights, ws["y"], shared_y, out, E)
-        return launches
+            return _mma_launches("shared_", hidden, ws, ws["shared_h_rot"], ws["shared_y"], shared_route, 1,
+                                 plan.shared_tables, plan.shared_mma, shared_blocks, plan.chunk_tokens)
+        if plan.shared_tables is None:
+            return {}
+        unused = (ws["counts"],) * 4
+        blocks = triton.cdiv(rows, plan.shared_block_m)
+        return {"shared_gate_up": partial(moe_gate_up, hidden, ws["shared_h_rot"], unused, rows, 1,
+                                          plan.shared_tables, blocks, False, plan.shared_block_m, plan.decode_k),
+                "shared_down": partial(moe_down, ws["shared_h_rot"], ws["shared_y"], unused, rows, plan.shared_tables,
+                                       blocks, False, plan.shared_block_m, plan.decode_k)}
 
 
 def _mma_launches(name: str, hidden, ws: dict, h_rot, y, route, top_k: int, tables, mma, blocks: int,

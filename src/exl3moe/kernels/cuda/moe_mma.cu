@@ -28,13 +28,64 @@ __device__ __forceinline__ float activate(float g, float u, int activation, int 
 }
 
 // Expert, first sorted position and row count (<= BLOCK_M) of route block b; false for an unused block.
+// DIRECT_ROUTE: block b is flat slot b alone (one row at position b) and `block_expert` holds topk_ids (int64
+// when ids_64); false for an id outside [0, num_experts).
 __device__ __forceinline__ bool route_block(int b, const int* block_expert, const int* block_start, const int* offsets,
-                                            int& expert, int& start, int& nrows) {
+                                            int ids_64, int num_experts, int& expert, int& start, int& nrows) {
+#if DIRECT_ROUTE
+    const long long id = ids_64 ? reinterpret_cast<const long long*>(block_expert)[b] : block_expert[b];
+    if (id < 0 || id >= num_experts) return false;
+    expert = (int)id;
+    start = b;
+    nrows = 1;
+    return true;
+#else
     expert = block_expert[b];
     if (expert < 0) return false;
     start = block_start[b];
     nrows = min(BLOCK_M, offsets[expert + 1] - start);
     return true;
+#endif
+}
+
+// DIRECT_ROUTE combine: the last of a token's top_k slot blocks to finish 128 columns writes
+// out[token] = sum_j w[token, j] y[token top_k + j] (+ shared_y[token]) over them, fp32 in slot order,
+// skipping ids outside [0, num_experts) like moe_combine. One column per thread (128 threads).
+struct Combine {
+    const void* ids;
+    int ids_64;
+    const void* weights;
+    int weights_dtype;  // 0 fp16, 1 bf16, 2 fp32
+    const float* shared_y;
+    void* out;
+    int out_dtype;  // 0 fp16, 1 bf16, 2 fp32
+    int stride_out;
+    int* counters;  // [tokens, hidden / 128]
+    int top_k;
+};
+
+__device__ __forceinline__ float load_as_float(const void* p, size_t i, int dtype) {
+    if (dtype == 2) return reinterpret_cast<const float*>(p)[i];
+    return input_to_float(reinterpret_cast<const unsigned short*>(p)[i], dtype);
+}
+
+__device__ __forceinline__ void combine_token(const Combine& cb, int token, int cblock, const float* y, int hidden,
+                                              int num_experts) {
+    if (!last_arrival(cb.counters + (size_t)token * (hidden / 128) + cblock, cb.top_k)) return;
+    const int c = cblock * 128 + threadIdx.x;
+    float acc = 0.f;
+    for (int j = 0; j < cb.top_k; j++) {
+        const size_t slot = (size_t)token * cb.top_k + j;
+        const long long id = cb.ids_64 ? reinterpret_cast<const long long*>(cb.ids)[slot]
+                                       : reinterpret_cast<const int*>(cb.ids)[slot];
+        if (id >= 0 && id < num_experts)
+            acc = acc + load_as_float(cb.weights, slot, cb.weights_dtype) * __ldcg(y + slot * hidden + c);
+    }
+    if (cb.shared_y != nullptr) acc = acc + cb.shared_y[(size_t)token * hidden + c];
+    const size_t o = (size_t)token * cb.stride_out + c;
+    if (cb.out_dtype == 2) reinterpret_cast<float*>(cb.out)[o] = acc;
+    else if (cb.out_dtype == 1) reinterpret_cast<unsigned short*>(cb.out)[o] = float_to_bf16(acc);
+    else reinterpret_cast<unsigned short*>(cb.out)[o] = float_to_half(acc);
 }
 
 // acc += scale x (xs @ R) for each stage with a nonzero scale at index + s x stride, computed as
@@ -89,7 +140,7 @@ moe_rotate_input(const unsigned short* __restrict__ x, int x_bf16, int stride_x,
                  const long long* __restrict__ suh_addr, int num_experts, int hidden, int capacity,
                  unsigned short* __restrict__ x_rot) {
     int expert, start, nrows;
-    if (!route_block(blockIdx.x, block_expert, block_start, offsets, expert, start, nrows)) return;
+    if (!route_block(blockIdx.x, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, proj = blockIdx.y;
     const int r0 = blockIdx.z * ROTATE_ROWS, rows = min(ROTATE_ROWS, nrows - r0), chunks = hidden / 128;
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[proj * num_experts + expert]);
@@ -114,11 +165,12 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 const int* __restrict__ stage_codebook, const float* __restrict__ stage_scale,
                 const float* __restrict__ bias, int num_experts, int hidden, int inter, float* __restrict__ part,
                 int capacity, unsigned short* __restrict__ h_rot, int* __restrict__ counters, int ktiles_per_split,
-                int splits, int activation, int has_limit, float limit, const unsigned short* __restrict__ x_rot) {
+                int splits, int activation, int has_limit, float limit, const unsigned short* __restrict__ x_rot,
+                int ids_64) {
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
     const int b = blockIdx.x;
     int expert, start, nrows;
-    if (!route_block(b, block_expert, block_start, offsets, expert, start, nrows)) return;
+    if (!route_block(b, block_expert, block_start, offsets, ids_64, num_experts, expert, start, nrows)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int proj = blockIdx.y & 1, cblock = blockIdx.y >> 1;
     const int index = proj * num_experts + expert;
@@ -181,11 +233,21 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
              int num_stages, const long long* __restrict__ stage_addr, const int* __restrict__ stage_k2,
              const int* __restrict__ stage_codebook, const float* __restrict__ stage_scale,
              const float* __restrict__ bias, int num_experts, int hidden, int inter, float* __restrict__ part,
-             int capacity, int* __restrict__ counters, int ktiles_per_split, int splits) {
+             int capacity, int* __restrict__ counters, int ktiles_per_split, int splits, const void* ids, int ids_64,
+             const void* weights, int weights_dtype, const float* shared_y, void* out, int out_dtype, int stride_out,
+             int* token_counters, int top_k) {
+    const Combine combine{ids, ids_64, weights, weights_dtype, shared_y, out, out_dtype, stride_out, token_counters,
+                          top_k};
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
     const int b = blockIdx.x;
     int expert, start, nrows;
-    if (!route_block(b, block_expert, block_start, offsets, expert, start, nrows)) return;
+    if (!route_block(b, block_expert, block_start, offsets, combine.ids_64, num_experts, expert, start, nrows)) {
+#if DIRECT_ROUTE
+        // A slot of an expert that lives elsewhere still counts towards its token's combine.
+        if (blockIdx.z == 0) combine_token(combine, b / combine.top_k, blockIdx.y, y, hidden, num_experts);
+#endif
+        return;
+    }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int cblock = blockIdx.y;
     const int index = 2 * num_experts + expert;
@@ -214,4 +276,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
         for (int j = 0; j < 4; j++)
             y[slot * hidden + c + j] = v[j] * INV_SQRT_128 * half_to_float(svh[c + j]) + bias_at(down_bias, c + j);
     }
+#if DIRECT_ROUTE
+    combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
+#endif
 }
