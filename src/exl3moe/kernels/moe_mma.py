@@ -100,7 +100,8 @@ def _dispatch(name: str, formats: tuple, mt: int, nt: int) -> str:
     return f"#define {name}(ACC, WORDS, KEY) switch (KEY) {{ {cases} }}\n"
 
 
-def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
+def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
+    """(defines, prelude) that compile kernel `name` of moe_mma.cu for `plan`."""
     mt, nt = plan.block_m // 16, 8 // plan.warps
     gate_up = name == "moe_gate_up_mma"
     empty = ()
@@ -111,6 +112,11 @@ def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
         _dispatch("STAGE_DISPATCH_DOWN", empty if gate_up else plan.stage_formats, mt, nt)])
     defines = (("PF", PREFETCH), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)),
                ("DIRECT_ROUTE", int(plan.direct)))
+    return defines, prelude
+
+
+def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
+    defines, prelude = kernel_source(plan, name)
     return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude)
 
 
