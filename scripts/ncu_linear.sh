@@ -27,6 +27,7 @@ PY
 ncu --clock-control none --kernel-name "regex:$KERNEL" --launch-skip 2 --launch-count 1 \
     --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section MemoryWorkloadAnalysis \
     --section InstructionStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+    --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active" \
     python3 /tmp/ncu_target.py > "$OUT/linear_ncu.txt" 2>&1
-grep -E "Duration|Issued Ipc|Warp Cycles Per Issued|Stall|Achieved Occupancy|Registers Per|Shared Memory|Throughput" \
-    "$OUT/linear_ncu.txt" | head -40
+grep -E "Duration|Issued Ipc|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Throughput" "$OUT/linear_ncu.txt" | head -12
+grep -E "issue_stalled|inst_executed_pipe" "$OUT/linear_ncu.txt" | awk '$NF > 0.05' | sort -k3 -rn | head -30

@@ -1,6 +1,7 @@
 """CUDA C++ kernels compiled at run time with NVRTC (cuda-python's `cuda.bindings`), launched on torch's stream.
 
 Optional: without `cuda.bindings`, or with EXL3MOE_CUDA_KERNELS=0, callers use the Triton kernels instead.
+EXL3MOE_NVRTC_DEFINES="NAME=1,OTHER=2" adds -D options to every compile (for kernel experiments).
 """
 
 from __future__ import annotations
@@ -69,6 +70,12 @@ def source(file: str) -> str:
     return "\n".join(lines)
 
 
+def extra_defines() -> dict:
+    """EXL3MOE_NVRTC_DEFINES parsed: "A=1,B=2" -> {"A": "1", "B": "2"}."""
+    text = os.environ.get("EXL3MOE_NVRTC_DEFINES", "")
+    return dict(item.split("=", 1) for item in text.split(",") if item)
+
+
 @functools.lru_cache(maxsize=None)
 def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str = ""):
     """The CUfunction `name` of kernels/cuda/`file` compiled with `defines` ((key, value), ...) and `prelude`
@@ -76,7 +83,7 @@ def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str
     driver, _ = _bindings()
     torch.cuda.synchronize(device_index)
     major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = compile_cubin(prelude + source(file), dict(defines), f"sm_{major}{minor}")
+    cubin = compile_cubin(prelude + source(file), {**dict(defines), **extra_defines()}, f"sm_{major}{minor}")
     module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
     return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
