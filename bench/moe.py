@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 
 import torch
 
@@ -23,8 +24,9 @@ def random_weight(k, n, K, codebook, gen):
     return EXL3Weight(trellis, suh, svh, codebook)
 
 
-def random_layer(hidden, inter, E, Ks, codebook, gen):
-    K_of = [Ks[e % len(Ks)] for e in range(E)]
+def random_layer(hidden, inter, E, Ks, codebook, gen, contiguous=False):
+    """Random experts with widths Ks assigned round robin (or in contiguous runs of experts)."""
+    K_of = [Ks[e * len(Ks) // E] if contiguous else Ks[e % len(Ks)] for e in range(E)]
     proj = lambda k, n: [random_weight(k, n, K_of[e], codebook, gen) for e in range(E)]  # noqa: E731
     return ExpertSet(proj(hidden, inter), proj(hidden, inter), proj(inter, hidden), "silu")
 
@@ -38,13 +40,14 @@ def routings(T, E, top_k, gen):
     return out
 
 
-def time_exl3(experts, T, top_k, gen, shared=None):
+def time_exl3(experts, T, top_k, gen, shared=None) -> tuple:
+    """(median us, "cuda" or "triton": which expert kernels the plan runs)."""
     plan = moe_plan(experts, T, top_k, shared=shared)
     runner = plan.bind(plan.allocate())
     x = (torch.randn(T, experts.hidden_size, device="cuda", generator=gen) * 0.3).half()
     out = torch.empty(T, experts.hidden_size, device="cuda", dtype=torch.float16)
     calls = [lambda r=r: runner.run(x, r[0], r[1], out) for r in routings(T, experts.num_experts, top_k, gen)]
-    return time_graph(calls, replays=10)
+    return time_graph(calls, replays=10), "cuda" if plan.mma is not None else "triton"
 
 
 def bf16_layer(hidden, inter, E, gen):
@@ -105,11 +108,19 @@ def stage_variants(args):
     for T in args.tokens:
         for name, stages in variants.items():
             layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=stages)
-            us = time_exl3(layer, T, top_k, gen)
+            us, kernels = time_exl3(layer, T, top_k, gen)
             results.append(dict(shape="qwen3-30b-a3b", K=4, stages=name, codebook=args.codebook, tokens=T,
-                                us=round(us, 1)))
+                                us=round(us, 1), experts=kernels))
             print(f"stages {name:10s} T={T:5d} {us:9.1f} us", flush=True)
     return results
+
+
+def merge_results(old: list, new: list) -> list:
+    """old entries whose (shape, K, codebook, tokens, stages, shared) no new entry has, then the new ones."""
+    def key(r):
+        return tuple(str(r.get(f)) for f in ("shape", "K", "codebook", "tokens", "stages", "shared"))
+    fresh = {key(r) for r in new}
+    return [r for r in old if key(r) not in fresh] + new
 
 
 def main(args):
@@ -128,9 +139,10 @@ def main(args):
             experts = random_layer(hidden, inter, E, LAYERS[key], args.codebook, gen)
             shared = random_layer(hidden, inter, 1, LAYERS[key][:1], args.codebook, gen) if args.shared else None
             for T in args.tokens:
-                us = time_exl3(experts, T, top_k, gen, shared)
+                us, kernels = time_exl3(experts, T, top_k, gen, shared)
                 results.append(dict(shape=shape, K=key, codebook=args.codebook, tokens=T, us=round(us, 1),
-                                    bf16_us=round(bf16[T], 1), **({"shared": True} if args.shared else {})))
+                                    bf16_us=round(bf16[T], 1), experts=kernels,
+                                    **({"shared": True} if args.shared else {})))
                 print(f"{shape:14s} K={str(key):10s} {args.codebook} T={T:5d} {us:9.1f} us  bf16 {bf16[T]:8.1f} us "
                       f"ratio {us / bf16[T]:5.2f}", flush=True)
             del experts
@@ -146,7 +158,11 @@ if __name__ == "__main__":
     ap.add_argument("--codebook", default="mcg")
     ap.add_argument("--stages", action="store_true", help="residual-stage variants (issue: additive stages)")
     ap.add_argument("--shared", action="store_true", help="add one shared expert of the routed width (as GLM-4.5)")
+    ap.add_argument("--merge", action="store_true", help="keep the entries of --out that this run does not replace")
     a = ap.parse_args()
     res = main(a)
+    if a.merge and os.path.exists(a.out):
+        with open(a.out) as fh:
+            res = merge_results(json.load(fh)["results"], res)
     with open(a.out, "w") as fh:
         json.dump({**run_info(), "results": res}, fh, indent=1)

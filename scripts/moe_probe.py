@@ -39,7 +39,7 @@ def main(args):
         from helpers import random_experts
         layer = random_experts(E, hidden_size, inter, K=4, codebook="mcg")
     else:
-        layer = random_layer(hidden_size, inter, E, [args.K], args.codebook, gen)
+        layer = random_layer(hidden_size, inter, E, args.Ks or [args.K], args.codebook, gen, args.contiguous)
     if args.target_warps:
         moe_mma.TARGET_WARPS = args.target_warps
     for T in ([3] if args.dry_run else args.tokens):
@@ -64,13 +64,15 @@ def main(args):
         line = " ".join(f"{name} {time_graph([call], replays=20):7.1f}" for name, call in parts.items())
         splits = (plan.mma.gate_up_splits, plan.mma.down_splits) if plan.mma else plan.gate_up_splits
         line += f" (block_m {plan.block_m}, splits {splits})"
-        print(f"{args.shape} K{args.K} T={T:5d} whole {whole:8.1f} us | {line}", flush=True)
+        print(f"{args.shape} K{args.Ks or args.K}{' contiguous' if args.contiguous else ''} T={T:5d} whole {whole:8.1f} us | {line}", flush=True)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=list(SHAPES))
     ap.add_argument("--K", type=float, default=4)
+    ap.add_argument("--Ks", nargs="+", type=float, default=None, help="mixed layer: these widths round robin")
+    ap.add_argument("--contiguous", action="store_true", help="mixed layer: each width on a contiguous run of experts")
     ap.add_argument("--codebook", default="mcg")
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024])
     ap.add_argument("--block-m", type=int, default=None, help="route-block rows (default: the plan's choice)")
