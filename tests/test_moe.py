@@ -316,7 +316,7 @@ def test_stage_hot_swap_rewrites_tables_in_place():
     hidden = (torch.randn(5, 128, generator=g) * 0.5).half()
     ids = torch.randint(0, 4, (5, 2), generator=g)
     weights = torch.rand(5, 2, generator=g)
-    plan = moe_plan(experts, 5, 2, stage_capacity=2, max_stage_bits=3)
+    plan = moe_plan(experts, 5, 2, stage_capacity=2, max_stage_bits=3, stage_codebooks=["mcg", "mul1"])
     runner = plan.bind(plan.allocate())
     tables = (plan.tables.stage_addr, plan.tables.stage_scale)
 
@@ -349,10 +349,23 @@ def test_stage_hot_swap_refuses_what_the_plan_cannot_read():
     bad_scales[0, 1] = float("nan")
     nan = [random_stage(experts, bad_scales, K=2, generator=g)]
     tiny = [random_stage(experts, torch.full((2, 3), 1e-13), K=2, generator=g)]
-    for stages, rule in ((wide, "wider"), (two, "capacity"), (nan, "finite"), (tiny, "2^-40"), ("x", "list")):
+    mul1 = [random_stage(experts, torch.ones(2, 3), K=2, codebook="mul1", generator=g)]
+    for stages, rule in ((wide, "wider"), (two, "capacity"), (nan, "finite"), (tiny, "2^-40"), ("x", "list"),
+                         (mul1, "outside the plan's ['mcg']")):
         with pytest.raises(ContractError) as err:
             plan.load_stages(stages)
         assert rule in str(err.value) and "stages" in err.value.name
         assert torch.equal(plan.tables.stage_scale, before), "a refused swap must write nothing"
     with pytest.raises(ContractError, match="max_stage_bits"):
         moe_plan(experts, 4, 2, max_stage_bits=2.2)
+    for codebooks in (["mcg", "fp8"], [], "mcg"):
+        with pytest.raises(ContractError, match="stage_codebooks"):
+            moe_plan(experts, 4, 2, stage_capacity=1, stage_codebooks=codebooks)
+    staged = ExpertSet(experts.gate, experts.up, experts.down, experts.activation, stages=mul1)
+    with pytest.raises(ContractError, match="must include the codebooks of the plan's stages"):
+        moe_plan(staged, 4, 2, stage_codebooks=["mcg"])
+    assert moe_plan(staged, 4, 2).stage_codebooks == ("mul1",)
+    wider = moe_plan(experts, 4, 2, stage_capacity=1, stage_codebooks=["mul1", "mcg"])
+    assert wider.stage_codebooks == ("mcg", "mul1") and (3, 2) in wider.stage_formats
+    assert plan.stage_formats == ((2, 1), (4, 1)), "K <= 2 MCG residuals: two compiled stage formats"
+    wider.load_stages(mul1)

@@ -161,7 +161,8 @@ def test_stage_hot_swap_under_one_captured_graph(qwen3_layer):
     quarter = torch.zeros(E, 3, device="cuda")
     quarter[::4] = 0.1
     set_b = [residual_stage(qwen3_layer, quarter, 2, "mcg", 32), residual_stage(qwen3_layer, quarter, 3, "mul1", 33)]
-    plan = moe_plan(qwen3_layer, T, top_k, out_dtype=torch.float16, stage_capacity=2, max_stage_bits=3)
+    plan = moe_plan(qwen3_layer, T, top_k, out_dtype=torch.float16, stage_capacity=2, max_stage_bits=3,
+                    stage_codebooks=["mcg", "mul1"])
     runner = plan.bind(plan.allocate())
     x = (torch.randn(T, H, device="cuda", generator=g) / 32).half()
     ids, weights = routing(T, E, top_k, 7)

@@ -51,7 +51,7 @@ def test_moe_mma_layout_covers_every_projection_and_stage_format():
                              codebook=["mcg", "mul1", "3inst", "mul1", "mcg", "mul1"])
     ids = {"3inst": 0, "mcg": 1, "mul1": 2}
     for block_m, stage_k2 in ((16, 0), (32, 4), (128, 8)):
-        plan = moe_mma_layout(experts, max_slots=8, block_m=block_m, stage_max_k2=stage_k2)
+        plan = moe_mma_layout(experts, max_slots=8, block_m=block_m, stage_formats=formats_up_to(stage_k2))
         assert plan.warps == warps_for(block_m) and plan.warps * (8 // plan.warps) == 8
         for proj in ("gate", "up", "down"):
             formats = plan.down_formats if proj == "down" else plan.gate_up_formats
@@ -64,3 +64,4 @@ def test_moe_mma_layout_covers_every_projection_and_stage_format():
                    for k2, cb in plan.down_formats)
     assert len(formats_up_to(8)) == 15 and (3, 0) not in formats_up_to(8) and (3, 2) in formats_up_to(8)
     assert formats_up_to(0) == ()
+    assert formats_up_to(4, ("mcg",)) == ((2, 1), (4, 1)) and formats_up_to(3, ("mul1", "mcg")) == ((2, 1), (2, 2), (3, 2))

@@ -50,10 +50,11 @@ def supported(experts, stage_max_k2: int) -> bool:
     return experts.gated and experts.activation in ACTIVATIONS and stage_max_k2 <= STAGE_MAX_K2
 
 
-def formats_up_to(max_k2: int) -> tuple:
-    """Every valid (2K, codebook id) with 2K <= max_k2: half-integer K only with mul1."""
-    mul1 = CODEBOOK_ID["mul1"]
-    return tuple((k2, cb) for k2 in range(2, max_k2 + 1) for cb in range(3) if k2 % 2 == 0 or cb == mul1)
+def formats_up_to(max_k2: int, codebooks: tuple = tuple(CODEBOOK_ID)) -> tuple:
+    """Every valid (2K, codebook id) with 2K <= max_k2 and a codebook named in `codebooks`: half-integer K only
+    with mul1."""
+    mul1, ids = CODEBOOK_ID["mul1"], {CODEBOOK_ID[name] for name in codebooks}
+    return tuple((k2, cb) for k2 in range(2, max_k2 + 1) for cb in sorted(ids) if k2 % 2 == 0 or cb == mul1)
 
 
 def pre_rotates(block_m: int) -> bool:
@@ -72,9 +73,11 @@ def warps_for(block_m: int) -> int:
     return 4 if block_m <= 32 else 8
 
 
-def moe_mma_layout(experts, max_slots: int, block_m: int, stage_max_k2: int = 0, direct: bool = False) -> MoeMmaPlan:
-    """Formats and splits for an ExpertSet (no compilation); stage_max_k2 > 0 adds the stage formats; direct
-    routes each slot on its own (direct_route)."""
+def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple = (),
+                   direct: bool = False) -> MoeMmaPlan:
+    """Formats and splits for an ExpertSet (no compilation); stage_formats ((2K, codebook id), ...) are the
+    residual formats compiled in (each one more mainloop, and more registers); direct routes each slot on its
+    own (direct_route)."""
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
     fmt = [[(int(w.K * 2), CODEBOOK_ID[w.codebook]) for w in getattr(experts, p)] for p in ("gate", "up", "down")]
     warps = warps_for(block_m)
@@ -82,13 +85,13 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_max_k2: int = 0,
     gu_splits, gu_ktiles = chunk_splits(H, busy * (I // 128) * 2 * warps, TARGET_WARPS)
     d_splits, d_ktiles = chunk_splits(I, busy * (H // 128) * warps, TARGET_WARPS)
     return MoeMmaPlan(block_m, warps, tuple(sorted(set(fmt[0] + fmt[1]))), tuple(sorted(set(fmt[2]))),
-                      formats_up_to(stage_max_k2), gu_splits, gu_ktiles, d_splits, d_ktiles, pre_rotates(block_m),
+                      tuple(stage_formats), gu_splits, gu_ktiles, d_splits, d_ktiles, pre_rotates(block_m),
                       direct)
 
 
-def plan_moe_mma(experts, max_slots: int, block_m: int, stage_max_k2: int = 0, direct: bool = False) -> MoeMmaPlan:
+def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (), direct: bool = False) -> MoeMmaPlan:
     """moe_mma_layout, with both kernels compiled for the layer's formats."""
-    plan = moe_mma_layout(experts, max_slots, block_m, stage_max_k2, direct)
+    plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
     return replace(plan, gate_up_kernel=_kernel(plan, "moe_gate_up_mma", experts.device),
                    down_kernel=_kernel(plan, "moe_down_mma", experts.device),
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)

@@ -35,8 +35,9 @@ from ..format.hadamard import hadamard_blockwise
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import (direct_route, moe_down_mma, moe_gate_up_mma, moe_rotate_input, plan_moe_mma,
-                                supported, workspace_numels)
+from ..kernels.moe_mma import (direct_route, formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input,
+                                plan_moe_mma, supported, workspace_numels)
+from ..kernels.trellis_decode import CODEBOOK_ID
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from ..reference.moe import activate
@@ -50,6 +51,8 @@ DEFAULT_SLOT_CAPACITY = 16384
 MIN_BLOCK_M, MAX_BLOCK_M, CUDA_MAX_BLOCK_M = 16, 32, 128
 # Residual 2K a plan with stage slots accepts when neither max_stage_bits nor its stages say more (K = 2).
 DEFAULT_STAGE_K2 = 4
+# Residual codebooks of a plan whose caller and stages name none: MCG, the usual residual codebook.
+DEFAULT_STAGE_CODEBOOKS = ("mcg",)
 # Decode sub-block (k rows) on the GPU: [32, 128] keeps the word gather's registers near the linear kernel's.
 GPU_DECODE_K = 32
 # Decode sub-block under the interpreter: one 128-row block per k-chunk means fewest interpreted steps.
@@ -93,6 +96,26 @@ def stage_k2_limit(experts: ExpertSet, stage_capacity: int, max_stage_bits: floa
     return max(int(2 * max_stage_bits) or DEFAULT_STAGE_K2, widest_residual_k2(experts.stages))
 
 
+def residual_codebooks(stages: list) -> set:
+    return {r.codebook for st in stages for p in PROJECTIONS for r in (getattr(st, p) or []) if r is not None}
+
+
+def stage_codebook_set(experts: ExpertSet, stage_codebooks) -> tuple:
+    """Codebooks a plan's residuals may use: stage_codebooks (covering its own stages), else its stages', else
+    DEFAULT_STAGE_CODEBOOKS."""
+    used = residual_codebooks(experts.stages)
+    if stage_codebooks is None:
+        return tuple(sorted(used)) or DEFAULT_STAGE_CODEBOOKS
+    if (isinstance(stage_codebooks, str) or not isinstance(stage_codebooks, (list, tuple)) or not stage_codebooks
+            or any(c not in CODEBOOK_ID for c in stage_codebooks)):
+        raise ContractError("stage_codebooks", f"must be a non-empty list of {sorted(CODEBOOK_ID)}, "
+                            f"got {stage_codebooks!r}")
+    if used - set(stage_codebooks):
+        raise ContractError("stage_codebooks", f"must include the codebooks of the plan's stages {sorted(used)}, "
+                            f"got {list(stage_codebooks)}")
+    return tuple(sorted(set(stage_codebooks)))
+
+
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 
@@ -109,7 +132,7 @@ class MoEPlan:
     def __init__(self, experts: ExpertSet, max_tokens: int, top_k: int, shared: ExpertSet | None = None,
                  out_dtype: torch.dtype | None = None, slot_capacity: int | None = None,
                  block_m: int | None = None, decode_k: int | None = None, stage_capacity: int = 0,
-                 max_stage_bits: float = 0):
+                 max_stage_bits: float = 0, stage_codebooks=None):
         _check_int(max_tokens, "max_tokens", 1)
         _check_int(top_k, "top_k", 1)
         if out_dtype is not None and out_dtype not in OUTPUT_DTYPES:
@@ -125,12 +148,14 @@ class MoEPlan:
         if max_stage_bits and max_stage_bits * 2 not in range(2, 17):
             raise ContractError("max_stage_bits", f"must be 0 or a valid K (1..8, 1.5, 2.5, 3.5), got {max_stage_bits}")
         check_expert_set(experts)
+        self.stage_codebooks = stage_codebook_set(experts, stage_codebooks)
         if shared is not None:
             check_shared(shared, experts)
             check_expert_set(shared, "shared")
         # Everything is validated: only now do tables reach the device.
         self.tables: MoETables = build_tables(experts, stage_capacity=stage_capacity)
         self.stage_max_k2 = stage_k2_limit(experts, stage_capacity, max_stage_bits)
+        self.stage_formats = formats_up_to(self.stage_max_k2, self.stage_codebooks)
         self.tables.max_k2_gate_up = max(self.tables.max_k2_gate_up, self.stage_max_k2)
         self.tables.max_k2_down = max(self.tables.max_k2_down, self.stage_max_k2)
         self.shared_tables = build_tables(shared, "shared") if shared is not None else None
@@ -157,7 +182,7 @@ class MoEPlan:
         ]
         # CUDA C++ experts where they can run (compiled here, before any capture); the Triton kernels otherwise.
         direct = direct_route(S, self.block_m)
-        self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_max_k2, direct) if cuda else None
+        self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_formats, direct) if cuda else None
         if self.mma is not None:
             # A direct plan's blocks are its slots (more than max_blocks when E < S).
             self._layout += _mma_layout("mma_", self.mma, S, max(S, max_blocks) if direct else max_blocks, H, I)
@@ -212,8 +237,8 @@ class MoEPlan:
         Captured graphs keep reading the same table tensors, so the next replay uses the new stages.
         `[]` restores the base. Refused with ContractError (nothing written) unless the stages fit the
         plan: at most `stage_capacity` stages (or as many as the plan was made with), residual K within
-        the plan's widest (`max_stage_bits`, else its widest residual, else 2), and biases only where the plan
-        has bias tables.
+        the plan's widest (`max_stage_bits`, else its widest residual, else 2), residual codebooks among the
+        plan's (`stage_codebooks`, else its stages', else mcg), and biases only where the plan has bias tables.
         Call between replays, not while one runs; the plan keeps the new stages alive.
         """
         if not isinstance(stages, (list, tuple)):
@@ -229,6 +254,10 @@ class MoEPlan:
         if widest > self.stage_max_k2:
             raise ContractError("stages", f"a residual of K={widest / 2:g} is wider than the plan allows "
                                 f"(K={self.stage_max_k2 / 2:g}; moe_plan(..., max_stage_bits=...))")
+        outside = residual_codebooks(stages) - set(self.stage_codebooks)
+        if outside:
+            raise ContractError("stages", f"residual codebooks {sorted(outside)} are outside the plan's "
+                                f"{list(self.stage_codebooks)} (moe_plan(..., stage_codebooks=...))")
         for field in ("bias_gate_up", "bias_down"):
             if (getattr(new, field) is None) != (getattr(t, field) is None):
                 raise ContractError(f"stages.{field}", "residual biases must match the plan's bias tables "
@@ -445,14 +474,16 @@ def moe_torch(hidden: torch.Tensor, plan: MoEPlan, topk_ids: torch.Tensor, topk_
 def moe_plan(experts: ExpertSet, max_tokens: int, top_k: int, shared: ExpertSet | None = None,
              out_dtype: torch.dtype | None = None, slot_capacity: int | None = None,
              block_m: int | None = None, decode_k: int | None = None, stage_capacity: int = 0,
-             max_stage_bits: float = 0) -> MoEPlan:
+             max_stage_bits: float = 0, stage_codebooks=None) -> MoEPlan:
     """Validate everything and plan calls of up to `max_tokens` tokens routed to `top_k` experts each.
 
-    For residual-stage hot swaps (`MoEPlan.load_stages`), reserve `stage_capacity` stage slots and the widest
-    residual K (`max_stage_bits`) the plan must accept.
+    For residual-stage hot swaps (`MoEPlan.load_stages`), reserve `stage_capacity` stage slots, the widest
+    residual K (`max_stage_bits`) and the residual codebooks (`stage_codebooks`, e.g. ["mcg", "mul1"]) the
+    plan must accept. The CUDA experts compile one mainloop per accepted residual format, and each costs
+    registers, so accept no more than a deployment swaps in.
     """
     return MoEPlan(experts, max_tokens, top_k, shared, out_dtype, slot_capacity, block_m, decode_k,
-                   stage_capacity, max_stage_bits)
+                   stage_capacity, max_stage_bits, stage_codebooks)
 
 
 def fused_experts(hidden: torch.Tensor, experts: ExpertSet, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
