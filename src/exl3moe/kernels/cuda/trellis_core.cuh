@@ -7,6 +7,9 @@ typedef unsigned long long u64;
 
 constexpr int XS = 136;                    // smem row stride of the x chunk (halves): conflict-free ldmatrix
 constexpr int CHUNK = 8;                   // k-tiles per staged x chunk (128 inputs)
+#ifndef KTILE_UNROLL
+#define KTILE_UNROLL CHUNK                 // k-tiles per unrolled mainloop body: a multiple of PF, dividing CHUNK
+#endif
 
 __device__ __forceinline__ u32 lop3_mask_xor(u32 x) {
     u32 r;
@@ -178,9 +181,11 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[MT_][NT_][2][4], const
         __syncthreads();
         stage(c0);
         __syncthreads();
+#pragma unroll 1
+        for (int s0 = 0; s0 < CHUNK; s0 += KTILE_UNROLL) {
 #pragma unroll
-        for (int s = 0; s < CHUNK; s++) {
-            const int slot = s % PF_;
+        for (int sp = 0; sp < KTILE_UNROLL; sp++) {
+            const int s = s0 + sp, slot = sp % PF_;
             // All B fragments, then A fragments double-buffered: 8 registers of A instead of MT_ x 4.
             u32 b[NT_][4], a[2][4];
 #pragma unroll
@@ -206,6 +211,7 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[MT_][NT_][2][4], const
 #pragma unroll
                 for (int i = 0; i < T::NW; i++) ptr[i] += k_stride;
             }
+        }
         }
     }
 }
