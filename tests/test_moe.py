@@ -60,6 +60,23 @@ def test_mixed_widths_and_codebooks_in_one_layer():
     check(fused_experts(hidden, experts, ids, weights), hidden, experts, ids, weights)
 
 
+def test_mixed_layer_route_blocks_grouped_by_format_give_the_same_bytes():
+    """A mixed layer's route blocks follow its experts sorted by format; the output bytes do not depend on it."""
+    g = torch.Generator().manual_seed(4)
+    experts = random_experts(6, 256, 256, K=[4, 2, 4, 3, 2, 4], codebook="mcg", generator=g)
+    plan = moe_plan(experts, 40, 4, block_m=16)
+    assert plan.expert_order.tolist() == [1, 4, 3, 0, 2, 5]
+    assert moe_plan(random_experts(3, 256, 256, K=3, generator=g), 4, 2).expert_order is None
+    runner = plan.bind(plan.allocate())
+    hidden = inputs(40, 256, 5)
+    ids, weights = routing(40, 4, 6, 6)
+    grouped = runner.run(hidden, ids, weights, torch.empty(40, 256, dtype=torch.float16))
+    check(grouped, hidden, experts, ids, weights)
+    plan.expert_order = None
+    by_id = runner.run(hidden, ids, weights, torch.empty(40, 256, dtype=torch.float16))
+    assert torch.equal(grouped.view(torch.int16), by_id.view(torch.int16))
+
+
 @pytest.mark.parametrize("activation,limit", [("silu", None), ("silu", 8.0), ("gelu", None), ("gelu", 0.5),
                                               ("relu2", None), ("relu2", 6.0)])
 def test_activations_and_limit(activation, limit):

@@ -14,16 +14,19 @@ POISON = -12345
 TAIL = 9
 
 
-def expected_route_pack(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> dict[str, torch.Tensor]:
-    """What route_pack must write, from torch alone."""
+def expected_route_pack(topk_ids: torch.Tensor, num_experts: int, block_m: int,
+                        expert_order: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """What route_pack must write, from torch alone (blocks listed in expert_order when given)."""
     flat = topk_ids.reshape(-1).to(torch.int64)
     mapped = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, num_experts))
     counts = torch.bincount(mapped, minlength=num_experts + 1)
     offsets = torch.cat([counts.new_zeros(1), torch.cumsum(counts, 0)])
-    blocks = (counts[:num_experts] + block_m - 1) // block_m
-    block_expert = torch.repeat_interleave(torch.arange(num_experts), blocks)
+    order = torch.arange(num_experts) if expert_order is None else expert_order.cpu().long()
+    blocks = (counts[order] + block_m - 1) // block_m
+    position = torch.repeat_interleave(torch.arange(num_experts), blocks)
+    block_expert = order[position]
     first_block = torch.cumsum(blocks, 0) - blocks
-    block_in_expert = torch.arange(block_expert.numel()) - first_block[block_expert]
+    block_in_expert = torch.arange(block_expert.numel()) - first_block[position]
     block_start = offsets[block_expert] + block_in_expert * block_m
     return {
         "counts": counts,
@@ -39,7 +42,8 @@ def poisoned(numel: int, device: str) -> torch.Tensor:
     return torch.full((numel + TAIL,), POISON, dtype=torch.int32, device=device)
 
 
-def run_route_pack(topk_ids, num_experts, block_m=16, max_blocks=None, **path) -> dict[str, torch.Tensor]:
+def run_route_pack(topk_ids, num_experts, block_m=16, max_blocks=None, expert_order=None,
+                   **path) -> dict[str, torch.Tensor]:
     """Launch into views of poisoned buffers; return the full buffers (views plus tails)."""
     num_slots, device = topk_ids.numel(), topk_ids.device
     max_blocks = max_blocks or route_pack_max_blocks(num_slots, num_experts, block_m)
@@ -54,13 +58,13 @@ def run_route_pack(topk_ids, num_experts, block_m=16, max_blocks=None, **path) -
     }
     full = {name: poisoned(n, device) for name, n in lengths.items()}
     views = {name: full[name][:n] for name, n in lengths.items()}
-    route_pack(topk_ids, num_experts, **views, block_m=block_m, **path)
+    route_pack(topk_ids, num_experts, **views, block_m=block_m, expert_order=expert_order, **path)
     return {name: (full[name], n) for name, n in lengths.items()}
 
 
-def check_route_pack(topk_ids, num_experts, block_m=16, max_blocks=None, **path) -> None:
-    got = run_route_pack(topk_ids, num_experts, block_m, max_blocks, **path)
-    want = expected_route_pack(topk_ids.cpu(), num_experts, block_m)
+def check_route_pack(topk_ids, num_experts, block_m=16, max_blocks=None, expert_order=None, **path) -> None:
+    got = run_route_pack(topk_ids, num_experts, block_m, max_blocks, expert_order, **path)
+    want = expected_route_pack(topk_ids.cpu(), num_experts, block_m, expert_order)
     num_slots = topk_ids.numel()
     for name, (buffer, length) in got.items():
         buffer = buffer.cpu().to(torch.int64)
@@ -156,6 +160,21 @@ def test_extra_block_capacity_is_filled(path):
     generator = torch.Generator().manual_seed(3)
     ids = random_ids(40, 8, 16, torch.int32, generator)
     check_route_pack(ids, 16, block_m=32, max_blocks=route_pack_max_blocks(320, 16, 32) + 50, **path)
+
+
+@pytest.mark.parametrize("path", [{}, CHUNKED], ids=["one", "chunked"])
+@pytest.mark.parametrize("block_m", [16, 64])
+@pytest.mark.parametrize("tokens,top_k,num_experts", [(1, 1, 1), (7, 2, 8), (33, 8, 130), (300, 4, 128)])
+def test_block_table_in_expert_order(tokens, top_k, num_experts, block_m, path):
+    """With expert_order, blocks follow it; counts, offsets and sorted slots are the unordered ones."""
+    generator = torch.Generator().manual_seed(tokens * 7 + num_experts)
+    ids = random_ids(tokens, top_k, num_experts, torch.int64, generator, 0.2)
+    order = torch.randperm(num_experts, generator=generator).to(torch.int32)
+    check_route_pack(ids, num_experts, block_m, expert_order=order, **path)
+    reversed_order = torch.arange(num_experts - 1, -1, -1, dtype=torch.int32)
+    got = run_route_pack(ids, num_experts, block_m, expert_order=reversed_order, **path)
+    experts = got["block_expert"][0][: got["num_blocks"][0][0]]
+    assert torch.equal(experts, experts.sort(descending=True).values)
 
 
 @settings(max_examples=40, deadline=None)

@@ -9,12 +9,14 @@ Given `topk_ids` [T, top_k] (int32 or int64, any values, contiguous), with N = T
   torch.argsort(mapped_ids, stable=True) with invalid ids mapped to E), so expert e owns
   sorted_slots[offsets[e]:offsets[e+1]] in token order and the sentinel rows come last.
 - Route blocks for the grouped expert kernel, each at most `block_m` rows of one real expert, in
-  expert order: expert e gets ceil(counts[e] / block_m) blocks. `block_expert` [max_blocks] and
+  expert order, or in the order of `expert_order` (a permutation of [0, E): a mixed-width layer lists the
+  experts of one format together, so the blocks that share a multiprocessor share their code): expert e
+  gets ceil(counts[e] / block_m) blocks. `block_expert` [max_blocks] and
   `block_start` [max_blocks] (row of the block in sorted_slots); `num_blocks` [1]. Entries at and past
   num_blocks hold block_expert = -1 and block_start = N, so a persistent kernel can skip them.
   max_blocks = route_pack_max_blocks(N, E, block_m) = ceil(N/block_m) + min(E, N) is always enough.
 - `workspace` [route_pack_workspace_numel(N, E)]: workspace[:E+1] holds the exclusive prefix of block
-  counts per expert (workspace[E] = num_blocks); the rest is scratch of the many-slot path.
+  counts per expert in block order (workspace[E] = num_blocks); the rest is scratch of the many-slot path.
 
 No host sync and a grid fixed by (N, E), so it can be captured in a CUDA graph. Deterministic (no
 atomics). Ids are only used as addresses after being mapped into [0, E], so any value is safe.
@@ -26,6 +28,7 @@ Paths (picked on the host from N alone):
   chunk sorts its keys and scatters slot s to offsets[id] + (rows of id in earlier chunks) + (rank of s
   among equal ids in its chunk), and fills its share of the block table.
 The block table is filled by a binary search of each block index in the block prefix per expert.
+The order of the block table never changes a block's rows, so outputs do not depend on it.
 """
 
 from __future__ import annotations
@@ -114,15 +117,16 @@ def _sort_ascending(x, LOG2_N: tl.constexpr):
 
 @triton.jit
 def _fill_block_table(
-    block_prefix_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, num_experts, num_slots,
+    block_prefix_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, order_ptr, num_experts, num_slots,
     block_begin, block_end,
-    BLOCK_M: tl.constexpr, TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    BLOCK_M: tl.constexpr, TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr, ORDERED: tl.constexpr,
 ):
-    """Block table entries [block_begin, block_end) from the block prefix and row offsets in global memory."""
+    """Block table entries [block_begin, block_end) from the block prefix (per position of the block order)
+    and row offsets in global memory."""
     total_blocks = tl.load(block_prefix_ptr + num_experts)
     for tile_begin in range(block_begin, block_end, TILE):
         block = tile_begin + tl.arange(0, TILE)
-        # Largest expert e with block_prefix[e] <= block; hi stays <= E so every load is in bounds.
+        # Largest position e with block_prefix[e] <= block; hi stays <= E so every load is in bounds.
         lo = tl.zeros([TILE], dtype=tl.int32)
         hi = lo + num_experts
         for _ in tl.static_range(SEARCH_STEPS):
@@ -131,22 +135,33 @@ def _fill_block_table(
             lo = tl.where(go_right, mid, lo)
             hi = tl.where(go_right, hi, mid)
         first_block = tl.load(block_prefix_ptr + lo)
-        row_start = tl.load(offsets_ptr + lo) + (block - first_block) * BLOCK_M
+        if ORDERED:
+            expert = tl.load(order_ptr + lo, mask=lo < num_experts, other=num_experts)
+        else:
+            expert = lo
+        row_start = tl.load(offsets_ptr + expert) + (block - first_block) * BLOCK_M
         live = block < total_blocks
         in_range = block < block_end
-        tl.store(block_expert_ptr + block, tl.where(live, lo, -1), mask=in_range)
+        tl.store(block_expert_ptr + block, tl.where(live, expert, -1), mask=in_range)
         tl.store(block_start_ptr + block, tl.where(live, row_start, num_slots), mask=in_range)
 
 
 @triton.jit
 def _store_offsets_and_block_prefix(
-    bucket_counts, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr, num_experts,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+    bucket_counts, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr, order_ptr, num_experts,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, ORDERED: tl.constexpr,
 ):
-    """From counts per bucket (zero past E): store counts, offsets, block prefix per expert, num_blocks."""
+    """From counts per bucket (zero past E): store counts, offsets, block prefix per position of the block
+    order, num_blocks."""
     bucket = tl.arange(0, EXPERTS_PAD)
     tl.store(counts_ptr + bucket, bucket_counts, mask=bucket <= num_experts)
     tl.store(offsets_ptr + bucket, tl.cumsum(bucket_counts, 0) - bucket_counts, mask=bucket <= num_experts + 1)
+    if ORDERED:
+        # Counts of the experts in block order, read back from the counts this program just stored.
+        tl.debug_barrier()
+        real = bucket < num_experts
+        expert = tl.load(order_ptr + bucket, mask=real, other=0)
+        bucket_counts = tl.load(counts_ptr + expert, mask=real, other=0)
     blocks = tl.where(bucket < num_experts, (bucket_counts + BLOCK_M - 1) // BLOCK_M, 0)
     tl.store(block_prefix_ptr + bucket, tl.cumsum(blocks, 0) - blocks, mask=bucket <= num_experts)
     tl.store(num_blocks_ptr, tl.sum(blocks, 0))
@@ -155,9 +170,9 @@ def _store_offsets_and_block_prefix(
 @triton.jit
 def _route_pack_single_kernel(
     ids_ptr, counts_ptr, offsets_ptr, sorted_slots_ptr, block_expert_ptr, block_start_ptr, num_blocks_ptr,
-    block_prefix_ptr, num_slots, num_experts, max_blocks,
+    block_prefix_ptr, order_ptr, num_slots, num_experts, max_blocks,
     BLOCK: tl.constexpr, LOG2_BLOCK: tl.constexpr, EXPERTS_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-    TABLE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    TABLE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """Whole route pack in one program for N <= BLOCK."""
     slot = tl.arange(0, BLOCK)
@@ -165,7 +180,8 @@ def _route_pack_single_kernel(
     bucket_counts = tl.histogram(mapped, EXPERTS_PAD)
     bucket_counts = tl.where(tl.arange(0, EXPERTS_PAD) <= num_experts, bucket_counts, 0)
     _store_offsets_and_block_prefix(
-        bucket_counts, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr, num_experts, BLOCK_M, EXPERTS_PAD
+        bucket_counts, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr, order_ptr, num_experts, BLOCK_M,
+        EXPERTS_PAD, ORDERED,
     )
     # Keys are unique, so the sort is stable; padding (id E+1) sorts past every real slot.
     sorted_keys = _sort_ascending(mapped * BLOCK + slot, LOG2_BLOCK)
@@ -173,8 +189,8 @@ def _route_pack_single_kernel(
     # The block table reads back offsets and the block prefix this program just stored.
     tl.debug_barrier()
     _fill_block_table(
-        block_prefix_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, num_experts, num_slots,
-        0, max_blocks, BLOCK_M, TABLE_TILE, SEARCH_STEPS,
+        block_prefix_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, order_ptr, num_experts, num_slots,
+        0, max_blocks, BLOCK_M, TABLE_TILE, SEARCH_STEPS, ORDERED,
     )
 
 
@@ -192,9 +208,9 @@ def _chunk_histogram_kernel(
 
 @triton.jit
 def _chunk_scan_kernel(
-    chunk_counts_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr,
+    chunk_counts_ptr, chunk_base_ptr, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr, order_ptr,
     num_chunks, num_experts,
-    EXPERTS_PAD: tl.constexpr, SCAN_ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr, SCAN_ROWS: tl.constexpr, BLOCK_M: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """Counts, offsets, block prefix, and chunk_base[c, e] = offsets[e] + (rows of e in chunks before c)
     - (rows of buckets below e in chunk c): the slot at sorted position p of chunk c goes to row
@@ -209,7 +225,8 @@ def _chunk_scan_kernel(
         tile_ptr = chunk_counts_ptr + (row_begin + row)[:, None] * stride + bucket[None, :]
         totals += tl.sum(tl.load(tile_ptr, mask=tile_mask, other=0), 0)
     _store_offsets_and_block_prefix(
-        totals, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr, num_experts, BLOCK_M, EXPERTS_PAD
+        totals, counts_ptr, offsets_ptr, block_prefix_ptr, num_blocks_ptr, order_ptr, num_experts, BLOCK_M,
+        EXPERTS_PAD, ORDERED,
     )
     # offsets[e] + rows of bucket e in the chunks before this tile.
     running = tl.cumsum(totals, 0) - totals
@@ -227,9 +244,9 @@ def _chunk_scan_kernel(
 @triton.jit
 def _chunk_scatter_kernel(
     ids_ptr, chunk_base_ptr, sorted_slots_ptr, offsets_ptr, block_prefix_ptr, block_expert_ptr,
-    block_start_ptr, num_slots, num_experts, max_blocks, blocks_per_program,
+    block_start_ptr, order_ptr, num_slots, num_experts, max_blocks, blocks_per_program,
     CHUNK: tl.constexpr, LOG2_CHUNK: tl.constexpr, BLOCK_M: tl.constexpr,
-    TABLE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    TABLE_TILE: tl.constexpr, SEARCH_STEPS: tl.constexpr, ORDERED: tl.constexpr,
 ):
     """Stable scatter of one chunk's slots to their sorted rows, then this program's share of the block table."""
     chunk = tl.program_id(0)
@@ -244,8 +261,8 @@ def _chunk_scatter_kernel(
     block_begin = chunk * blocks_per_program
     block_end = tl.minimum(block_begin + blocks_per_program, max_blocks)
     _fill_block_table(
-        block_prefix_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, num_experts, num_slots,
-        block_begin, block_end, BLOCK_M, TABLE_TILE, SEARCH_STEPS,
+        block_prefix_ptr, offsets_ptr, block_expert_ptr, block_start_ptr, order_ptr, num_experts, num_slots,
+        block_begin, block_end, BLOCK_M, TABLE_TILE, SEARCH_STEPS, ORDERED,
     )
 
 
@@ -262,6 +279,7 @@ def route_pack(
     block_m: int = 16,
     small_max_slots: int = SMALL_MAX_SLOTS,
     chunk_slots: int = CHUNK_SLOTS,
+    expert_order: torch.Tensor | None = None,
 ) -> None:
     """Launch route packing into the given int32 buffers (see the module docstring); validates nothing.
 
@@ -269,8 +287,11 @@ def route_pack(
     with max_blocks >= route_pack_max_blocks(N, E, block_m), num_blocks [1], workspace of at least
     route_pack_workspace_numel(N, E, small_max_slots, chunk_slots) elements. topk_ids contiguous;
     block_m and chunk_slots powers of two; sort keys are int32, so (E+2) * max(next_pow2(N) on the
-    one-launch path, chunk_slots) must stay below 2**31. The grid depends on N and E only.
+    one-launch path, chunk_slots) must stay below 2**31. The grid depends on N and E only. `expert_order`:
+    None, or an int32 permutation of [0, E) on the ids' device, the order of the block table.
     """
+    ordered = expert_order is not None
+    order = expert_order if ordered else counts  # any int32 pointer: never read without ORDERED
     num_slots = topk_ids.numel()
     max_blocks = block_expert.numel()
     experts_pad = triton.next_power_of_2(num_experts + 2)
@@ -279,10 +300,10 @@ def route_pack(
     if _uses_small_path(num_slots, small_max_slots):
         block = max(16, triton.next_power_of_2(num_slots))
         _route_pack_single_kernel[(1,)](
-            topk_ids, counts, offsets, sorted_slots, block_expert, block_start, num_blocks, block_prefix,
+            topk_ids, counts, offsets, sorted_slots, block_expert, block_start, num_blocks, block_prefix, order,
             num_slots, num_experts, max_blocks,
             BLOCK=block, LOG2_BLOCK=block.bit_length() - 1, EXPERTS_PAD=experts_pad, BLOCK_M=block_m,
-            TABLE_TILE=BLOCK_TABLE_TILE, SEARCH_STEPS=search_steps, num_warps=_sort_warps(block),
+            TABLE_TILE=BLOCK_TABLE_TILE, SEARCH_STEPS=search_steps, ORDERED=ordered, num_warps=_sort_warps(block),
         )
         return
     num_chunks = triton.cdiv(num_slots, chunk_slots)
@@ -293,12 +314,13 @@ def route_pack(
         topk_ids, chunk_counts, num_slots, num_experts, CHUNK=chunk_slots, EXPERTS_PAD=experts_pad
     )
     _chunk_scan_kernel[(1,)](
-        chunk_counts, chunk_base, counts, offsets, block_prefix, num_blocks, num_chunks, num_experts,
-        EXPERTS_PAD=experts_pad, SCAN_ROWS=max(1, SCAN_TILE_ELEMENTS // experts_pad), BLOCK_M=block_m, num_warps=8,
+        chunk_counts, chunk_base, counts, offsets, block_prefix, num_blocks, order, num_chunks, num_experts,
+        EXPERTS_PAD=experts_pad, SCAN_ROWS=max(1, SCAN_TILE_ELEMENTS // experts_pad), BLOCK_M=block_m,
+        ORDERED=ordered, num_warps=8,
     )
     _chunk_scatter_kernel[(num_chunks,)](
-        topk_ids, chunk_base, sorted_slots, offsets, block_prefix, block_expert, block_start,
+        topk_ids, chunk_base, sorted_slots, offsets, block_prefix, block_expert, block_start, order,
         num_slots, num_experts, max_blocks, triton.cdiv(max_blocks, num_chunks),
         CHUNK=chunk_slots, LOG2_CHUNK=chunk_slots.bit_length() - 1, BLOCK_M=block_m,
-        TABLE_TILE=BLOCK_TABLE_TILE, SEARCH_STEPS=search_steps, num_warps=_sort_warps(chunk_slots),
+        TABLE_TILE=BLOCK_TABLE_TILE, SEARCH_STEPS=search_steps, ORDERED=ordered, num_warps=_sort_warps(chunk_slots),
     )

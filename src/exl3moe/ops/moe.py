@@ -96,6 +96,14 @@ def stage_k2_limit(experts: ExpertSet, stage_capacity: int, max_stage_bits: floa
     return max(int(2 * max_stage_bits) or DEFAULT_STAGE_K2, widest_residual_k2(experts.stages))
 
 
+def format_order(experts: ExpertSet) -> list | None:
+    """Experts sorted (stably) by their gate, up and down formats; None when they all share one: route blocks
+    in this order keep the experts of one format, and so one compiled mainloop, together on the GPU."""
+    projections = [getattr(experts, p) for p in PROJECTIONS if getattr(experts, p) is not None]
+    keys = [tuple((int(2 * w[e].K), w[e].codebook) for w in projections) for e in range(experts.num_experts)]
+    return sorted(range(experts.num_experts), key=keys.__getitem__) if len(set(keys)) > 1 else None
+
+
 def residual_codebooks(stages: list) -> set:
     return {r.codebook for st in stages for p in PROJECTIONS for r in (getattr(st, p) or []) if r is not None}
 
@@ -169,6 +177,8 @@ class MoEPlan:
         self.block_m = block_m or (route_block_rows(self.slot_capacity, E, CUDA_MAX_BLOCK_M, 1.5) if cuda
                                    else route_block_rows(self.slot_capacity, E))
         self.shared_block_m = route_block_rows(self.chunk_tokens, 1)
+        order = format_order(experts)
+        self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
         self.decode_k = decode_k or (INTERPRET_DECODE_K if interpreting() else GPU_DECODE_K)
         H, I, S = experts.hidden_size, experts.intermediate_size, self.slot_capacity
         self.gate_up_splits = gate_up_splits(max_tokens * top_k, E, H, I)
@@ -359,7 +369,8 @@ class MoERunner:
         launches = {
             "route_pack": partial(route_pack, topk_ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert,
                                   block_start, ws["num_blocks"],
-                                  ws["route_workspace"][:route_pack_workspace_numel(slots, E)], block_m=plan.block_m),
+                                  ws["route_workspace"][:route_pack_workspace_numel(slots, E)], block_m=plan.block_m,
+                                  expert_order=plan.expert_order),
         }
         if plan.mma is not None:
             launches.update(_mma_launches("", hidden, ws, ws["h_rot"], ws["y"], route, top_k, tables, plan.mma,
