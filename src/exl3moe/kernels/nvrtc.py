@@ -2,13 +2,16 @@
 
 Optional: without `cuda.bindings`, or with EXL3MOE_CUDA_KERNELS=0, callers use the Triton kernels instead.
 EXL3MOE_NVRTC_DEFINES="NAME=1,OTHER=2" adds -D options to every compile (for kernel experiments).
+Compiled cubins are kept on disk (cache_dir) keyed by source, options, architecture and NVRTC version.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import os
+import tempfile
 from importlib import resources
 
 import torch
@@ -41,11 +44,14 @@ def _check(result, what: str):
     return rest[0] if len(rest) == 1 else rest
 
 
+OPTIONS = ("-std=c++17", "-default-device", "--fmad=false")
+
+
 def compile_cubin(source: str, defines: dict, arch: str) -> bytes:
     """Compile CUDA C++ source to a cubin for `arch` (e.g. "sm_90")."""
     _, nvrtc = _bindings()
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"-default-device", b"--fmad=false"]
+    opts = [f"--gpu-architecture={arch}".encode()] + [o.encode() for o in OPTIONS]
     opts += [f"-D{key}={value}".encode() for key, value in defines.items()]
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if int(err) != 0:
@@ -56,6 +62,50 @@ def compile_cubin(source: str, defines: dict, arch: str) -> bytes:
     size = _check(nvrtc.nvrtcGetCUBINSize(prog), "nvrtcGetCUBINSize")
     cubin = b" " * size
     _check(nvrtc.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+    return cubin
+
+
+def nvrtc_version() -> str:
+    _, nvrtc = _bindings()
+    major, minor = _check(nvrtc.nvrtcVersion(), "nvrtcVersion")
+    return f"{major}.{minor}"
+
+
+def cache_dir() -> str | None:
+    """Directory of compiled cubins: EXL3MOE_CACHE_DIR (empty: no disk cache), else
+    $XDG_CACHE_HOME/exl3moe/cubins or ~/.cache/exl3moe/cubins."""
+    path = os.environ.get("EXL3MOE_CACHE_DIR")
+    if path is None:
+        path = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "exl3moe", "cubins")
+    return path or None
+
+
+def cubin_path(text: str, defines: dict, arch: str) -> str | None:
+    """Where the cubin of (text, defines, arch) is cached, or None without a cache directory."""
+    directory = cache_dir()
+    if directory is None:
+        return None
+    key = "|".join([nvrtc_version(), arch, *OPTIONS, *(f"{k}={v}" for k, v in sorted(defines.items())), text])
+    return os.path.join(directory, hashlib.sha256(key.encode()).hexdigest() + ".cubin")
+
+
+def cached_cubin(text: str, defines: dict, arch: str) -> bytes:
+    """compile_cubin, through the disk cache: written atomically, so a reader never sees half a file."""
+    path = cubin_path(text, defines, arch)
+    if path is not None and os.path.isfile(path):
+        with open(path, "rb") as fh:
+            cubin = fh.read()
+        if cubin:
+            return cubin
+    cubin = compile_cubin(text, defines, arch)
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), delete=False) as fh:
+                fh.write(cubin)
+            os.replace(fh.name, path)
+        except OSError:
+            pass  # a read-only or full cache only costs the next process a compile
     return cubin
 
 
@@ -83,8 +133,14 @@ def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str
     driver, _ = _bindings()
     torch.cuda.synchronize(device_index)
     major, minor = torch.cuda.get_device_capability(device_index)
-    cubin = compile_cubin(prelude + source(file), {**dict(defines), **extra_defines()}, f"sm_{major}{minor}")
-    module = _check(driver.cuModuleLoadData(cubin), "cuModuleLoadData")
+    text, options, arch = prelude + source(file), {**dict(defines), **extra_defines()}, f"sm_{major}{minor}"
+    err, module = driver.cuModuleLoadData(cached_cubin(text, options, arch))
+    if int(err) != 0:
+        # A damaged cache entry: drop it and compile afresh.
+        path = cubin_path(text, options, arch)
+        if path is not None and os.path.exists(path):
+            os.remove(path)
+        module = _check(driver.cuModuleLoadData(cached_cubin(text, options, arch)), "cuModuleLoadData")
     return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
 
