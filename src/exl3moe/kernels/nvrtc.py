@@ -76,7 +76,8 @@ def cache_dir() -> str | None:
     $XDG_CACHE_HOME/exl3moe/cubins or ~/.cache/exl3moe/cubins."""
     path = os.environ.get("EXL3MOE_CACHE_DIR")
     if path is None:
-        path = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "exl3moe", "cubins")
+        home = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+        path = os.path.join(tempfile.gettempdir() if home.startswith("~") else home, "exl3moe", "cubins")
     return path or None
 
 
