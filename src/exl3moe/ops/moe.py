@@ -31,17 +31,16 @@ import triton
 
 from ..errors import ContractError
 from ..format.experts import ExpertSet, check_shared
-from ..format.hadamard import hadamard_blockwise
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
 from ..kernels.moe_mma import (direct_route, formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input,
                                 plan_moe_mma, supported, workspace_numels)
-from ..kernels.trellis_decode import CODEBOOK_ID
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
-from ..reference.moe import activate
 from .tables import PROJECTIONS, MoETables, build_tables, check_expert_set
+from .moe_torch import moe_torch
+from .stage_limits import residual_codebooks, stage_codebook_set, stage_k2_limit, widest_residual_k2
 
 # Slots per chunk by default: 2048 top-8 tokens keep ~128 rows per expert at E = 128, with the Qwen3-30B
 # workspace (I = 768, H = 2048) at ~160 MB.
@@ -49,10 +48,6 @@ DEFAULT_SLOT_CAPACITY = 16384
 # Route-block rows: 16 is the smallest MMA tile; above 32 the sm_90 build of the Triton gate/up spills (cuobjdump).
 # The CUDA kernels take up to 128 and skip m16 tiles past a block's rows, so they get headroom over the average.
 MIN_BLOCK_M, MAX_BLOCK_M, CUDA_MAX_BLOCK_M = 16, 32, 128
-# Residual 2K a plan with stage slots accepts when neither max_stage_bits nor its stages say more (K = 2).
-DEFAULT_STAGE_K2 = 4
-# Residual codebooks of a plan whose caller and stages name none: MCG, the usual residual codebook.
-DEFAULT_STAGE_CODEBOOKS = ("mcg",)
 # Decode sub-block (k rows) on the GPU: [32, 128] keeps the word gather's registers near the linear kernel's.
 GPU_DECODE_K = 32
 # Decode sub-block under the interpreter: one 128-row block per k-chunk means fewest interpreted steps.
@@ -84,44 +79,12 @@ def route_block_rows(slots: int, num_experts: int, largest: int = MAX_BLOCK_M, h
     return max(MIN_BLOCK_M, min(largest, triton.next_power_of_2(rows)))
 
 
-def widest_residual_k2(stages: list) -> int:
-    return max([0] + [int(2 * r.K) for st in stages for p in PROJECTIONS for r in (getattr(st, p) or [])
-                      if r is not None])
-
-
-def stage_k2_limit(experts: ExpertSet, stage_capacity: int, max_stage_bits: float) -> int:
-    """Widest residual 2K a plan accepts: max_stage_bits (default K = 2) or its widest residual; 0 without stages."""
-    if not max(stage_capacity, len(experts.stages)):
-        return 0
-    return max(int(2 * max_stage_bits) or DEFAULT_STAGE_K2, widest_residual_k2(experts.stages))
-
-
 def format_order(experts: ExpertSet) -> list | None:
     """Experts sorted (stably) by their gate, up and down formats; None when they all share one: route blocks
     in this order keep the experts of one format, and so one compiled mainloop, together on the GPU."""
     projections = [getattr(experts, p) for p in PROJECTIONS if getattr(experts, p) is not None]
     keys = [tuple((int(2 * w[e].K), w[e].codebook) for w in projections) for e in range(experts.num_experts)]
     return sorted(range(experts.num_experts), key=keys.__getitem__) if len(set(keys)) > 1 else None
-
-
-def residual_codebooks(stages: list) -> set:
-    return {r.codebook for st in stages for p in PROJECTIONS for r in (getattr(st, p) or []) if r is not None}
-
-
-def stage_codebook_set(experts: ExpertSet, stage_codebooks) -> tuple:
-    """Codebooks a plan's residuals may use: stage_codebooks (covering its own stages), else its stages', else
-    DEFAULT_STAGE_CODEBOOKS."""
-    used = residual_codebooks(experts.stages)
-    if stage_codebooks is None:
-        return tuple(sorted(used)) or DEFAULT_STAGE_CODEBOOKS
-    if (isinstance(stage_codebooks, str) or not isinstance(stage_codebooks, (list, tuple)) or not stage_codebooks
-            or any(c not in CODEBOOK_ID for c in stage_codebooks)):
-        raise ContractError("stage_codebooks", f"must be a non-empty list of {sorted(CODEBOOK_ID)}, "
-                            f"got {stage_codebooks!r}")
-    if used - set(stage_codebooks):
-        raise ContractError("stage_codebooks", f"must include the codebooks of the plan's stages {sorted(used)}, "
-                            f"got {list(stage_codebooks)}")
-    return tuple(sorted(set(stage_codebooks)))
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -435,51 +398,6 @@ def _mma_launches(name: str, hidden, ws: dict, h_rot, y, route, top_k: int, tabl
     launches[name + "down"] = partial(moe_down_mma, h_rot, y, route, tables, mma, ws[prefix + "down_partial"],
                                       ws[prefix + "down_counters"], blocks, capacity)
     return launches
-
-
-def _projection_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, proj: str, e: int) -> torch.Tensor:
-    """One projection of expert e in fp32, as the kernels compute it (rotated input rounded to fp16)."""
-    p = PROJECTIONS.index(proj)
-    w = getattr(experts, proj)[e]
-    inner = w.inner().float()
-    for s, stage in enumerate(experts.stages):
-        scale = float(tables.stage_scale[s, p, e])
-        if scale != 0.0:
-            inner = inner + scale * getattr(stage, proj)[e].inner().float()
-    xr = hadamard_blockwise(x32 * w.suh.float()).half().float()
-    y = hadamard_blockwise(xr @ inner) * w.svh.float()
-    if proj == "down" and tables.bias_down is not None:
-        y = y + tables.bias_down[e].float()
-    elif proj != "down" and tables.bias_gate_up is not None:
-        y = y + tables.bias_gate_up[p, e].float()
-    return y
-
-
-def _expert_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, e: int) -> torch.Tensor:
-    up = _projection_torch(x32, experts, tables, "up", e)
-    gate = _projection_torch(x32, experts, tables, "gate", e) if experts.gated else None
-    h = activate(gate, up, experts.activation, experts.limit)
-    return _projection_torch(h, experts, tables, "down", e)
-
-
-def moe_torch(hidden: torch.Tensor, plan: MoEPlan, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """The torch path (CPU without the interpreter): the kernels' semantics in fp32, slot-order combine."""
-    experts, tables = plan.experts, plan.tables
-    E = tables.num_experts
-    x32 = hidden.float()
-    ids = topk_ids.long()
-    valid = (ids >= 0) & (ids < E)
-    y = torch.zeros(*ids.shape, tables.hidden_size, dtype=torch.float32, device=hidden.device)
-    for e in torch.unique(ids[valid]).tolist():
-        tokens, slots = torch.nonzero(ids == e, as_tuple=True)
-        y[tokens, slots] = _expert_torch(x32[tokens], experts, tables, e)
-    weights = torch.where(valid, topk_weights.float(), torch.zeros((), device=hidden.device))
-    acc = torch.zeros(hidden.shape[0], tables.hidden_size, dtype=torch.float32, device=hidden.device)
-    for j in range(ids.shape[1]):
-        acc += weights[:, j, None] * y[:, j]
-    if plan.shared is not None:
-        acc += _expert_torch(x32, plan.shared, plan.shared_tables, 0)
-    return acc
 
 
 def moe_plan(experts: ExpertSet, max_tokens: int, top_k: int, shared: ExpertSet | None = None,

@@ -1,0 +1,56 @@
+"""The fused MoE on plain torch (CPU tensors without the Triton interpreter): the kernels' semantics in fp32."""
+
+from __future__ import annotations
+
+import torch
+
+from ..format.experts import ExpertSet
+from ..format.hadamard import hadamard_blockwise
+from ..reference.moe import activate
+from .tables import PROJECTIONS, MoETables
+
+
+def _projection_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, proj: str, e: int) -> torch.Tensor:
+    """One projection of expert e in fp32, as the kernels compute it (rotated input rounded to fp16)."""
+    p = PROJECTIONS.index(proj)
+    w = getattr(experts, proj)[e]
+    inner = w.inner().float()
+    for s, stage in enumerate(experts.stages):
+        scale = float(tables.stage_scale[s, p, e])
+        if scale != 0.0:
+            inner = inner + scale * getattr(stage, proj)[e].inner().float()
+    xr = hadamard_blockwise(x32 * w.suh.float()).half().float()
+    y = hadamard_blockwise(xr @ inner) * w.svh.float()
+    if proj == "down" and tables.bias_down is not None:
+        y = y + tables.bias_down[e].float()
+    elif proj != "down" and tables.bias_gate_up is not None:
+        y = y + tables.bias_gate_up[p, e].float()
+    return y
+
+
+def _expert_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, e: int) -> torch.Tensor:
+    up = _projection_torch(x32, experts, tables, "up", e)
+    gate = _projection_torch(x32, experts, tables, "gate", e) if experts.gated else None
+    h = activate(gate, up, experts.activation, experts.limit)
+    return _projection_torch(h, experts, tables, "down", e)
+
+
+def moe_torch(hidden: torch.Tensor, plan, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The torch path of a MoEPlan (CPU without the interpreter): the kernels' semantics in fp32, slot-order
+    combine."""
+    experts, tables = plan.experts, plan.tables
+    E = tables.num_experts
+    x32 = hidden.float()
+    ids = topk_ids.long()
+    valid = (ids >= 0) & (ids < E)
+    y = torch.zeros(*ids.shape, tables.hidden_size, dtype=torch.float32, device=hidden.device)
+    for e in torch.unique(ids[valid]).tolist():
+        tokens, slots = torch.nonzero(ids == e, as_tuple=True)
+        y[tokens, slots] = _expert_torch(x32[tokens], experts, tables, e)
+    weights = torch.where(valid, topk_weights.float(), torch.zeros((), device=hidden.device))
+    acc = torch.zeros(hidden.shape[0], tables.hidden_size, dtype=torch.float32, device=hidden.device)
+    for j in range(ids.shape[1]):
+        acc += weights[:, j, None] * y[:, j]
+    if plan.shared is not None:
+        acc += _expert_torch(x32, plan.shared, plan.shared_tables, 0)
+    return acc
