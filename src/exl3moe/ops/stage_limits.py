@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ..errors import ContractError
 from ..format.experts import ExpertSet
-from ..kernels.trellis_decode import CODEBOOK_ID
+from ..format.codebook import CODEBOOK_ID
 from .tables import PROJECTIONS
 
 # Residual 2K a plan with stage slots accepts when neither max_stage_bits nor its stages say more (K = 2).
