@@ -1,18 +1,19 @@
 """Benchmark the EXL3 linear on a GPU against fp16 torch.matmul of the same shape, measured in the same run."""
 
 import argparse
-import json
 
 import torch
 
 from exl3moe import EXL3Weight
 from exl3moe.ops.linear import LinearPlan, LinearTiles
-from exl3moe.timing import copies_for, run_info, time_graph
+from exl3moe.timing import copies_for, time_graph
+from results_io import save_results
 
 SHAPES = [(4096, 14336), (14336, 4096), (2048, 768), (768, 2048), (4096, 1408), (1408, 4096)]
 BITS = [2, 3, 4, 6, 8]
 CODEBOOKS = ["mcg", "mul1", "3inst"]
 ROWS = [1, 8, 32, 128, 512]
+RESULT_KEY = ("k", "n", "K", "codebook", "rows")  # what a --merge rerun replaces
 
 
 def random_weight(k, n, K, codebook, gen):
@@ -65,28 +66,31 @@ def tune(args):
 def full(args):
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
-    for k, n in SHAPES:
-        fp16 = {rows: time_fp16(k, n, rows, gen) for rows in ROWS}
-        for K in BITS:
-            for cb in CODEBOOKS:
-                for rows in ROWS:
+    for k, n in (tuple(map(int, shape.split("x"))) for shape in args.shapes):
+        fp16 = {rows: time_fp16(k, n, rows, gen) for rows in args.rows}
+        for K in args.bits:
+            for cb in args.codebooks:
+                for rows in args.rows:
                     us, tb = time_exl3(k, n, K, cb, rows, gen)
                     results.append(dict(k=k, n=n, K=K, codebook=cb, rows=rows, us=round(us, 2),
                                         fp16_us=round(fp16[rows], 2), trellis_GBps=round(tb / us / 1e3, 1)))
-                    save(args.out, results)
+                    save_results(args.out, results, RESULT_KEY, args.merge)
                     print(f"{k}x{n} K{K} {cb:5s} rows {rows:4d} {us:8.1f} us fp16 {fp16[rows]:7.1f} "
                           f"ratio {us / fp16[rows]:5.2f}", flush=True)
     return results
-
-
-def save(path, results):
-    with open(path, "w") as fh:
-        json.dump({**run_info(), "results": results}, fh, indent=1)
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--out", default="bench/results/linear_h200.json")
+    ap.add_argument("--shapes", nargs="+", default=[f"{k}x{n}" for k, n in SHAPES])
+    ap.add_argument("--bits", nargs="+", type=int, default=BITS)
+    ap.add_argument("--codebooks", nargs="+", default=CODEBOOKS)
+    ap.add_argument("--rows", nargs="+", type=int, default=ROWS)
+    ap.add_argument("--merge", action="store_true", help="keep the entries of --out that this run does not replace")
     a = ap.parse_args()
-    save(a.out, tune(a) if a.tune else full(a))
+    if a.tune:
+        save_results(a.out, tune(a), ())
+    else:
+        full(a)

@@ -1,18 +1,19 @@
 """Benchmark the fused EXL3 MoE layer on a GPU against the same layer in bf16 through torch._grouped_mm."""
 
 import argparse
-import json
-import os
 
 import torch
 
 from exl3moe import EXL3Weight, ExpertSet, ResidualStage
 from exl3moe.ops.moe import moe_plan
-from exl3moe.timing import run_info, time_graph
+from exl3moe.timing import time_graph
+from results_io import save_results
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "glm-4.5-air": (4096, 1408, 128, 8)}
-LAYERS = {2: [2], 3: [3], 4: [4], 6: [6], "mixed-k3k4": [3, 4], "mixed-k2k8": [2, 3, 4, 5, 6, 7, 8]}
+LAYERS = {2: [2], 3: [3], 4: [4], 5: [5], 6: [6],  # 5: the uniform layer of mixed-k2k8's bytes
+          "mixed-k3k4": [3, 4], "mixed-k2k8": [2, 3, 4, 5, 6, 7, 8]}
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
+RESULT_KEY = ("shape", "K", "codebook", "tokens", "stages", "shared")  # what a --merge rerun replaces
 CALLS = 4  # distinct routings per timed graph, so a replay does not find the previous call's experts in L2
 
 
@@ -115,14 +116,6 @@ def stage_variants(args):
     return results
 
 
-def merge_results(old: list, new: list) -> list:
-    """old entries whose (shape, K, codebook, tokens, stages, shared) no new entry has, then the new ones."""
-    def key(r):
-        return tuple(str(r.get(f)) for f in ("shape", "K", "codebook", "tokens", "stages", "shared"))
-    fresh = {key(r) for r in new}
-    return [r for r in old if key(r) not in fresh] + new
-
-
 def main(args):
     if args.stages:
         return stage_variants(args)
@@ -160,9 +153,4 @@ if __name__ == "__main__":
     ap.add_argument("--shared", action="store_true", help="add one shared expert of the routed width (as GLM-4.5)")
     ap.add_argument("--merge", action="store_true", help="keep the entries of --out that this run does not replace")
     a = ap.parse_args()
-    res = main(a)
-    if a.merge and os.path.exists(a.out):
-        with open(a.out) as fh:
-            res = merge_results(json.load(fh)["results"], res)
-    with open(a.out, "w") as fh:
-        json.dump({**run_info(), "results": res}, fh, indent=1)
+    save_results(a.out, main(a), RESULT_KEY, a.merge)

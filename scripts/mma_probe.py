@@ -41,9 +41,10 @@ def main(args):
                 part = torch.empty(m.splits, rows, n, device="cuda")
                 for pf in args.prefetch:
                     for nt in args.nt:
-                        us = time_graph([lambda w=w: tmma.trellis_mma(x, w, part, counters, out, m, pf, nt or None)
-                                         for w in ws])
-                        line += f" w{target}/s{m.splits}/pf{pf}/nt{nt} {us:6.1f}"
+                        for mt in args.mt:
+                            us = time_graph([lambda w=w: tmma.trellis_mma(x, w, part, counters, out, m, pf, nt or None,
+                                                                          mt or None) for w in ws])
+                            line += f" w{target}/s{m.splits}/pf{pf}/nt{nt}/mt{mt} {us:6.1f}"
             print(line, flush=True)
         del dense
 
@@ -56,5 +57,6 @@ if __name__ == "__main__":
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 8, 16])
     ap.add_argument("--targets", nargs="+", type=int, default=[2048, 4096, 8192])
     ap.add_argument("--prefetch", nargs="+", type=int, default=[4])
+    ap.add_argument("--mt", nargs="+", type=int, default=[0], help="m16 tiles per block; 0 = the default for the rows")
     ap.add_argument("--nt", nargs="+", type=int, default=[0], help="n16 tiles per warp; 0 = the default for the rows")
     main(ap.parse_args())

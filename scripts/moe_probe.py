@@ -42,6 +42,8 @@ def main(args):
         layer = random_layer(hidden_size, inter, E, args.Ks or [args.K], args.codebook, gen, args.contiguous)
     if args.target_warps:
         moe_mma.TARGET_WARPS = args.target_warps
+    if args.direct_max_slots is not None:
+        moe_mma.DIRECT_MAX_SLOTS = args.direct_max_slots
     for T in ([3] if args.dry_run else args.tokens):
         plan = moe_plan(layer, T, top_k, block_m=args.block_m)
         runner = plan.bind(plan.allocate())
@@ -77,5 +79,6 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024])
     ap.add_argument("--block-m", type=int, default=None, help="route-block rows (default: the plan's choice)")
     ap.add_argument("--target-warps", type=int, default=None, help="CUDA experts' split target (moe_mma.TARGET_WARPS)")
+    ap.add_argument("--direct-max-slots", type=int, default=None, help="moe_mma.DIRECT_MAX_SLOTS (0: always pack)")
     ap.add_argument("--dry-run", action="store_true")
     main(ap.parse_args())

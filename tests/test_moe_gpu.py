@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from exl3moe import EXL3Weight, ExpertSet
+from exl3moe.kernels import moe_mma
 from exl3moe.ops import fused_experts, moe_plan
 from exl3moe.reference import moe
 from helpers import capture_allocation_free
@@ -225,9 +226,11 @@ def test_cuda_experts_with_gelu_clamp_bias_and_stages_match_float64():
         assert rel_l2(out, ref) < 2e-3, (T, block_m, rel_l2(out, ref))
 
 
-def test_direct_route_small_calls(qwen3_layer):
-    """Up to 64 slots a plan skips the route pack and combines in down: float64 agreement with a shared expert
-    and remote ids, fp16 / bf16 / fp32 output, batch invariance inside the plan, and graph replay."""
+def test_direct_route_small_calls(qwen3_layer, monkeypatch):
+    """A direct plan (raised here to 64 slots) skips the route pack and combines in down: float64 agreement with a
+    shared expert and remote ids, fp16 / bf16 / fp32 output, batch invariance inside the plan, and graph replay."""
+    monkeypatch.setattr(moe_mma, "DIRECT_MAX_SLOTS", 64)
+    monkeypatch.setattr(moe_mma, "DIRECT_MAX_SLOTS_MIXED", 64)
     top_k, H, E = QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
     shared = random_experts(1, H, 768, [4], ["mcg"], seed=60, name="shared")
     plan = moe_plan(qwen3_layer, 8, top_k, shared=shared)

@@ -65,3 +65,31 @@ def test_moe_mma_layout_covers_every_projection_and_stage_format():
     assert len(formats_up_to(8)) == 15 and (3, 0) not in formats_up_to(8) and (3, 2) in formats_up_to(8)
     assert formats_up_to(0) == ()
     assert formats_up_to(4, ("mcg",)) == ((2, 1), (4, 1)) and formats_up_to(3, ("mul1", "mcg")) == ((2, 1), (2, 2), (3, 2))
+
+def test_decode_variants_follow_block_rows_and_format_count():
+    from helpers import random_experts
+
+    from exl3moe.kernels.moe_mma import kernel_source, moe_mma_layout
+    from exl3moe.kernels.trellis_mma import pair_scalar
+
+    assert [pair_scalar(mt) for mt in (1, 2, 4, 8)] == [2, 2, 0, 0]
+    uniform = random_experts(4, 256, 256, K=4, codebook="mcg")
+    two = random_experts(4, 256, 256, K=[3, 4, 3, 4], codebook="mcg")
+    many = random_experts(4, 256, 256, K=[2, 3, 4, 5], codebook="mcg")
+    for experts, block_m, unroll in ((uniform, 16, 8), (two, 16, 8), (many, 16, 4), (many, 32, 4), (many, 64, 8)):
+        plan = moe_mma_layout(experts, max_slots=8, block_m=block_m)
+        for name in ("moe_gate_up_mma", "moe_down_mma"):
+            defines = dict(kernel_source(plan, name)[0])
+            assert defines["KTILE_UNROLL"] == unroll and defines["PAIR_SCALAR"] == pair_scalar(block_m // 16)
+
+
+def test_direct_route_limit_depends_on_slots_and_formats():
+    from helpers import random_experts
+
+    from exl3moe.kernels.moe_mma import direct_route, format_count
+
+    uniform = random_experts(4, 256, 256, K=4, codebook="mcg")
+    many = random_experts(4, 256, 256, K=[2, 3, 4, 4], codebook=["mcg", "mcg", "mcg", "mul1"])
+    assert format_count(uniform) == 1 and format_count(many) == 4
+    assert direct_route(16, 16, 1) and not direct_route(24, 16, 1) and not direct_route(16, 32, 1)
+    assert direct_route(8, 16, 4) and not direct_route(16, 16, 4)

@@ -14,13 +14,15 @@ import torch
 
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
-from .trellis_mma import chunk_splits
+from .trellis_mma import chunk_splits, pair_scalar
 
 PREFETCH = 4
+CHUNK_KTILES, MIXED_KTILE_UNROLL = 8, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
+MIXED_MIN_FORMATS, MIXED_MAX_MT = 4, 2
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
 STAGE_MAX_K2 = 8
 PRE_ROTATE_BLOCK_M = 64
-DIRECT_MAX_SLOTS = 64
+DIRECT_MAX_SLOTS, DIRECT_MAX_SLOTS_MIXED = 16, 8
 ROTATE_ROWS = 8  # rows per moe_rotate_input block (the kernel's constant)
 # Warps wanted in flight at the plan's largest call: below this the k range of gate/up and down is split.
 TARGET_WARPS = 4096
@@ -62,10 +64,17 @@ def pre_rotates(block_m: int) -> bool:
     return block_m >= PRE_ROTATE_BLOCK_M
 
 
-def direct_route(max_slots: int, block_m: int) -> bool:
+def direct_route(max_slots: int, block_m: int, formats: int = 1) -> bool:
     """Up to DIRECT_MAX_SLOTS slots a call needs no route pack: each slot is a one-row block, and the last of a
-    token's slot blocks combines it (two launches fewer)."""
-    return block_m == 16 and max_slots <= DIRECT_MAX_SLOTS
+    token's slot blocks combines it (two launches fewer). Repeated experts are decoded once per slot, and a layer of
+    many formats runs them in slot order, so such layers take the pack sooner."""
+    limit = DIRECT_MAX_SLOTS_MIXED if formats >= MIXED_MIN_FORMATS else DIRECT_MAX_SLOTS
+    return block_m == 16 and max_slots <= limit
+
+
+def format_count(experts) -> int:
+    """Distinct (K, codebook) pairs over every projection of an ExpertSet."""
+    return len({(w.K, w.codebook) for p in ("gate", "up", "down") for w in getattr(experts, p) or ()})
 
 
 def warps_for(block_m: int) -> int:
@@ -97,6 +106,12 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
 
 
+def ktile_unroll(formats: int, mt: int) -> int:
+    """k-tiles per unrolled mainloop body: half a chunk when a kernel of few rows holds many formats, so that their
+    mainloops share the instruction cache; a whole chunk otherwise."""
+    return MIXED_KTILE_UNROLL if formats >= MIXED_MIN_FORMATS and mt <= MIXED_MAX_MT else CHUNK_KTILES
+
+
 def _dispatch(name: str, formats: tuple, mt: int, nt: int) -> str:
     cases = " ".join(f"case {4 * k2 + cb}: mma_mainloop<{k2}, {cb}, {mt}, {nt}, PF>(ACC, WORDS, tiles_n, jt0, kt0, "
                      "kt1, mtiles, xs, stage); break;" for k2, cb in formats)
@@ -113,8 +128,10 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
         _dispatch("STAGE_DISPATCH_GATE_UP", plan.stage_formats if gate_up else empty, mt, nt),
         _dispatch("DISPATCH_DOWN", empty if gate_up else plan.down_formats, mt, nt),
         _dispatch("STAGE_DISPATCH_DOWN", empty if gate_up else plan.stage_formats, mt, nt)])
+    formats = plan.gate_up_formats if gate_up else plan.down_formats
     defines = (("PF", PREFETCH), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)),
-               ("DIRECT_ROUTE", int(plan.direct)))
+               ("DIRECT_ROUTE", int(plan.direct)), ("PAIR_SCALAR", pair_scalar(mt)),
+               ("KTILE_UNROLL", ktile_unroll(len(formats), mt)))
     return defines, prelude
 
 

@@ -18,6 +18,7 @@ WARPS = 4
 CHUNK_K = 128  # inputs per staged x chunk; splits are whole chunks
 TARGET_WARPS = 4096  # warps in flight at one row: enough loads outstanding to cover DRAM latency
 PREFETCH = 4
+PAIR_SCALAR_MAX_MT = 2
 # Rows up to which the matmul kernel rotates x itself (above, rotate_input does, one launch more): small
 # weights are launch-bound, large ones pay for rotating many rows in every block.
 FUSED_ROTATION_ROWS_SMALL, FUSED_ROTATION_ROWS_LARGE, SMALL_WEIGHT = 16, 4, 1 << 24
@@ -61,12 +62,18 @@ def variant_for(rows: int, k: int, n: int) -> tuple:
     return m_tiles(rows), fuses_rotation(rows, k, n)
 
 
+def pair_scalar(mt: int) -> int:
+    """The decode's pair-sum variant (PAIR_SCALAR in trellis_core.cuh) for blocks of mt m16 tiles: the sums go
+    to the FMA pipe where the ALU pipe bounds the loop (few rows); every variant decodes the same bits."""
+    return 2 if mt <= PAIR_SCALAR_MAX_MT else 0
+
+
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
                nt: int | None = None):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
     nt = nt or (2 if mt <= 2 else 1)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
-               ("WARPS", WARPS), ("FUSE_IN", int(fuse_in)))
+               ("WARPS", WARPS), ("FUSE_IN", int(fuse_in)), ("PAIR_SCALAR", pair_scalar(mt)))
     return nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0), nt
 
 
@@ -93,12 +100,13 @@ OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
-                tiles: MmaTiles, prefetch: int = PREFETCH, nt: int | None = None) -> torch.Tensor:
+                tiles: MmaTiles, prefetch: int = PREFETCH, nt: int | None = None, mt: int | None = None) -> torch.Tensor:
     """out [rows, n] = Hn(x_rot @ W_inner) * svh + bias, x_rot = Hn(x * suh) rotated here when
     fuses_rotation(rows, k, n), else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch."""
     rows, k = x.shape
     tiles_n = w.trellis.shape[1]
-    mt, fuse_in = variant_for(rows, k, tiles_n * 16)
+    planned_mt, fuse_in = variant_for(rows, k, tiles_n * 16)
+    mt = mt or planned_mt
     func, nt = mma_kernel(w.K, w.codebook, mt, x.device, fuse_in, prefetch, nt)
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,

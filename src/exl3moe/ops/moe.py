@@ -34,8 +34,8 @@ from ..format.experts import ExpertSet, check_shared
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import (direct_route, formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input,
-                                plan_moe_mma, supported, workspace_numels)
+from ..kernels.moe_mma import (direct_route, format_count, formats_up_to, moe_down_mma, moe_gate_up_mma,
+                                moe_rotate_input, plan_moe_mma, supported, workspace_numels)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from .tables import PROJECTIONS, MoETables, build_tables, check_expert_set
@@ -154,7 +154,7 @@ class MoEPlan:
             ("route_workspace", route_pack_workspace_numel(S, E), torch.int32),
         ]
         # CUDA C++ experts where they can run (compiled here, before any capture); the Triton kernels otherwise.
-        direct = direct_route(S, self.block_m)
+        direct = direct_route(S, self.block_m, format_count(experts))
         self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_formats, direct) if cuda else None
         if self.mma is not None:
             # A direct plan's blocks are its slots (more than max_blocks when E < S).

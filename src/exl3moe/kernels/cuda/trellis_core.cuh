@@ -7,9 +7,14 @@ typedef unsigned long long u64;
 
 constexpr int XS = 136;                    // smem row stride of the x chunk (halves): conflict-free ldmatrix
 constexpr int CHUNK = 8;                   // k-tiles per staged x chunk (128 inputs)
+// Pair sums (same bits): 0 PRMT + HADD2 (ALU pipe), 1 scalar HADDs + a pack, 2 scalar HADDs packed on the FMA pipe.
+#ifndef PAIR_SCALAR
+#define PAIR_SCALAR 0
+#endif
 #ifndef KTILE_UNROLL
 #define KTILE_UNROLL CHUNK                 // k-tiles per unrolled mainloop body: a multiple of PF, dividing CHUNK
 #endif
+static_assert(CHUNK % KTILE_UNROLL == 0, "KTILE_UNROLL must divide CHUNK");
 
 __device__ __forceinline__ u32 lop3_mask_xor(u32 x) {
     u32 r;
@@ -38,7 +43,17 @@ __device__ __forceinline__ u32 decode_pair(u32 s0, u32 s1) {
     x0 = lop3_mask_xor(x0);
     x1 = lop3_mask_xor(x1);
     u32 r;
+#if PAIR_SCALAR == 1
+    asm("{ .reg .f16 a, b, c, d, e, f; mov.b32 {a, b}, %1; mov.b32 {c, d}, %2; add.rn.f16 e, a, b; "
+        "add.rn.f16 f, c, d; mov.b32 %0, {e, f}; }" : "=r"(r) : "r"(x0), "r"(x1));
+#elif PAIR_SCALAR == 2
+    asm("{ .reg .f16 a, b, c, d, e, f; .reg .b32 ee, ff, g; mov.b32 {a, b}, %1; mov.b32 {c, d}, %2; "
+        "add.rn.f16 e, a, b; add.rn.f16 f, c, d; mov.b32 ee, {e, e}; mov.b32 ff, {f, f}; "
+        "mul.rn.f16x2 g, ff, %3; fma.rn.f16x2 %0, ee, %4, g; }"
+        : "=r"(r) : "r"(x0), "r"(x1), "r"(0x3C000000u), "r"(0x00003C00u));
+#else
     asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(prmt(x0, x1, 0x5410)), "r"(prmt(x0, x1, 0x7632)));
+#endif
     return r;
     }
 }
@@ -152,6 +167,7 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[MT_][NT_][2][4], const
                                              int jt0, int kt0, int kt1, int mtiles, const unsigned short* xs,
                                              Stage&& stage) {
     using T = Trellis<K2_, CB_>;
+    static_assert(KTILE_UNROLL % PF_ == 0, "KTILE_UNROLL must be a multiple of the prefetch depth");
     const int lane = threadIdx.x & 31;
     // This lane's word pointers inside the first tile of its column, and the shift that aligns its first bit.
     const int first_bit = T::first_bit(lane);
