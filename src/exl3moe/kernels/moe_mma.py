@@ -14,10 +14,10 @@ import torch
 
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
-from .trellis_mma import chunk_splits, pair_scalar
+from .trellis_mma import CHUNK_K, chunk_splits, pair_scalar
 
 PREFETCH = 4
-CHUNK_KTILES, MIXED_KTILE_UNROLL = 8, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
+CHUNK_KTILES, MIXED_KTILE_UNROLL = CHUNK_K // 16, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
 MIXED_MIN_FORMATS, MIXED_MAX_MT = 4, 2
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
 STAGE_MAX_K2 = 8
