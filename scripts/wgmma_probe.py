@@ -17,8 +17,8 @@ __device__ __forceinline__ u32 pack(const unsigned short* p) { return (u32)p[0] 
 
 // A [64, 16] row-major, B [N, 16] (token-major, i.e. K-major B), C0 [64, N]: out_sync / out_wg [64, N] = A B^T + C0.
 extern "C" __global__ void __launch_bounds__(128)
-probe(const unsigned short* A, const unsigned short* B, const float* C0, float* out_sync, float* out_wg, int lbo,
-      int sbo) {
+probe(const unsigned short* A, const unsigned short* B, const float* C0, float* out_sync, float* out_wg,
+      float* out_swap, int lbo, int sbo) {
     __shared__ __align__(128) unsigned short bs[N * 16];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3, r0 = 16 * warp;
     // Core matrices of 8 tokens x 8 k (16-byte rows, 128 bytes each): k halves LBO_LAYOUT apart, token octets SBO.
@@ -41,6 +41,25 @@ probe(const unsigned short* A, const unsigned short* B, const float* C0, float* 
         out_sync[(r0 + g) * N + 8 * j + 2 * t + 1] = c[1];
         out_sync[(r0 + g + 8) * N + 8 * j + 2 * t] = c[2];
         out_sync[(r0 + g + 8) * N + 8 * j + 2 * t + 1] = c[3];
+    }
+    // mma.sync with the roles swapped (tokens as m16, A's rows as n8), as the linear multiplies x by W today.
+    for (int i = 0; i < N / 16; i++) {
+        for (int j = 2 * warp; j < 2 * warp + 2; j++) {
+            const unsigned short* xb = B + (16 * i) * 16;
+            u32 xa[4] = {pack(xb + g * 16 + 2 * t), pack(xb + (g + 8) * 16 + 2 * t), pack(xb + g * 16 + 2 * t + 8),
+                         pack(xb + (g + 8) * 16 + 2 * t + 8)};
+            const u32 w0 = pack(A + (8 * j + g) * 16 + 2 * t), w1 = pack(A + (8 * j + g) * 16 + 2 * t + 8);
+            float c[4] = {C0[(8 * j + 2 * t) * N + 16 * i + g], C0[(8 * j + 2 * t + 1) * N + 16 * i + g],
+                          C0[(8 * j + 2 * t) * N + 16 * i + g + 8], C0[(8 * j + 2 * t + 1) * N + 16 * i + g + 8]};
+            asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                         "{%0,%1,%2,%3};"
+                         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                         : "r"(xa[0]), "r"(xa[1]), "r"(xa[2]), "r"(xa[3]), "r"(w0), "r"(w1));
+            out_swap[(8 * j + 2 * t) * N + 16 * i + g] = c[0];
+            out_swap[(8 * j + 2 * t + 1) * N + 16 * i + g] = c[1];
+            out_swap[(8 * j + 2 * t) * N + 16 * i + g + 8] = c[2];
+            out_swap[(8 * j + 2 * t + 1) * N + 16 * i + g + 8] = c[3];
+        }
     }
     float d[N / 2];
     for (int j = 0; j < N / 8; j++) {
@@ -96,14 +115,15 @@ def main(args):
         C0 = torch.randn(64, n, device="cuda", generator=g) * 4
         ref = A.double() @ B.double().T + C0.double()
         for lbo, sbo in ((128, 256), (256, 128)):
-            out_sync, out_wg = torch.full((64, n), float("nan"), device="cuda"), torch.full((64, n), float("nan"),
-                                                                                           device="cuda")
-            nvrtc.launch(func, (1, 1, 1), 128, [A.view(torch.int16), B.view(torch.int16), C0, out_sync, out_wg, lbo, sbo])
+            outs = [torch.full((64, n), float("nan"), device="cuda") for _ in range(3)]
+            nvrtc.launch(func, (1, 1, 1), 128, [A.view(torch.int16), B.view(torch.int16), C0, *outs, lbo, sbo])
             torch.cuda.synchronize()
-            same = torch.equal(out_sync.view(torch.int32), out_wg.view(torch.int32))
-            err = ((out_wg.double() - ref).abs().max().item(), (out_sync.double() - ref).abs().max().item())
-            print(f"N={n} lbo={lbo} sbo={sbo}: wgmma == mma.sync bitwise: {same}; max |err| wgmma {err[0]:.2e}, "
-                  f"mma.sync {err[1]:.2e}")
+            out_sync, out_wg, out_swap = outs
+            bits = lambda a, b: torch.equal(a.view(torch.int32), b.view(torch.int32))  # noqa: E731
+            err = [(o.double() - ref).abs().max().item() for o in outs]
+            print(f"N={n} lbo={lbo} sbo={sbo}: wgmma == mma.sync {bits(out_wg, out_sync)}, == mma.sync with roles "
+                  f"swapped {bits(out_wg, out_swap) if n >= 16 else 'n/a'}; max |err| mma.sync {err[0]:.2e}, "
+                  f"wgmma {err[1]:.2e}, swapped {err[2]:.2e}")
 
 
 if __name__ == "__main__":
