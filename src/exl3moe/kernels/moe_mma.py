@@ -72,9 +72,14 @@ def direct_route(max_slots: int, block_m: int, formats: int = 1) -> bool:
     return block_m == 16 and max_slots <= limit
 
 
+def projection_formats(experts) -> list:
+    """[(2K, codebook id) of each expert] for gate, up and down (empty for a projection the layer lacks)."""
+    return [[(int(w.K * 2), CODEBOOK_ID[w.codebook]) for w in getattr(experts, p) or ()] for p in ("gate", "up", "down")]
+
+
 def format_count(experts) -> int:
-    """Distinct (K, codebook) pairs over every projection of an ExpertSet."""
-    return len({(w.K, w.codebook) for p in ("gate", "up", "down") for w in getattr(experts, p) or ()})
+    """Distinct (2K, codebook) pairs over every projection of an ExpertSet."""
+    return len({f for formats in projection_formats(experts) for f in formats})
 
 
 def warps_for(block_m: int) -> int:
@@ -88,7 +93,7 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
     residual formats compiled in (each one more mainloop, and more registers); direct routes each slot on its
     own (direct_route)."""
     E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
-    fmt = [[(int(w.K * 2), CODEBOOK_ID[w.codebook]) for w in getattr(experts, p)] for p in ("gate", "up", "down")]
+    fmt = projection_formats(experts)
     warps = warps_for(block_m)
     busy = max(min(E, max_slots), -(-max_slots // block_m))  # route blocks of a full call
     gu_splits, gu_ktiles = chunk_splits(H, busy * (I // 128) * 2 * warps, TARGET_WARPS)

@@ -102,7 +102,8 @@ OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
                 tiles: MmaTiles, prefetch: int = PREFETCH, nt: int | None = None, mt: int | None = None) -> torch.Tensor:
     """out [rows, n] = Hn(x_rot @ W_inner) * svh + bias, x_rot = Hn(x * suh) rotated here when
-    fuses_rotation(rows, k, n), else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch."""
+    fuses_rotation(rows, k, n), else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch.
+    prefetch, nt and mt override the planned variant (for probes)."""
     rows, k = x.shape
     tiles_n = w.trellis.shape[1]
     planned_mt, fuse_in = variant_for(rows, k, tiles_n * 16)

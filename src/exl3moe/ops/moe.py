@@ -9,7 +9,7 @@ Per chunk of tokens (chunk size fixed by the plan, so the launch sequence depend
     shared       (2-3 launches, optional) the shared expert's (rotate,) gate/up and down over the chunk's tokens
     combine      (1 launch)         out[t] = sum_j w[t, j] y[t*top_k + j] (+ shared[t]) in slot order
 
-A plan of at most 64 slots on the CUDA experts routes directly: the shared expert first, then gate/up and
+A plan of at most 16 slots (8 for layers of four or more formats) on the CUDA experts routes directly: the shared expert first, then gate/up and
 down over one block per slot read from topk_ids (no route pack), down's last block of each token combining it.
 
 Workspace: h_rot [capacity, I] fp16, y [capacity, H] fp32, the route tables, and the shared expert's
@@ -35,10 +35,10 @@ from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
 from ..kernels.moe_mma import (direct_route, format_count, formats_up_to, moe_down_mma, moe_gate_up_mma,
-                                moe_rotate_input, plan_moe_mma, supported, workspace_numels)
+                                moe_rotate_input, plan_moe_mma, projection_formats, supported, workspace_numels)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
-from .tables import PROJECTIONS, MoETables, build_tables, check_expert_set
+from .tables import MoETables, build_tables, check_expert_set
 from .moe_torch import moe_torch
 from .stage_limits import residual_codebooks, stage_codebook_set, stage_k2_limit, widest_residual_k2
 
@@ -82,8 +82,8 @@ def route_block_rows(slots: int, num_experts: int, largest: int = MAX_BLOCK_M, h
 def format_order(experts: ExpertSet) -> list | None:
     """Experts sorted (stably) by their gate, up and down formats; None when they all share one: route blocks
     in this order keep the experts of one format, and so one compiled mainloop, together on the GPU."""
-    projections = [getattr(experts, p) for p in PROJECTIONS if getattr(experts, p) is not None]
-    keys = [tuple((int(2 * w[e].K), w[e].codebook) for w in projections) for e in range(experts.num_experts)]
+    formats = [f for f in projection_formats(experts) if f]
+    keys = [tuple(f[e] for f in formats) for e in range(experts.num_experts)]
     return sorted(range(experts.num_experts), key=keys.__getitem__) if len(set(keys)) > 1 else None
 
 
