@@ -154,6 +154,9 @@ def test_every_token_on_one_expert_is_chunked_and_chunking_keeps_bytes():
     check(out, hidden, experts, ids, weights)
     whole = run(moe_plan(experts, T, top_k, block_m=16), hidden, ids, weights)
     assert torch.equal(out.view(torch.int16), whole.view(torch.int16))
+    runner = chunked.bind(chunked.allocate())
+    with pytest.raises(ContractError, match="topk_ids.*at most 12 tokens"):
+        runner.chunk_launches(hidden, ids, weights, torch.empty_like(hidden))
 
 
 def test_deterministic_and_batch_invariant():
