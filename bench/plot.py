@@ -74,11 +74,12 @@ def stage_table(doc):
 
 def linear_table(doc):
     out = ["| shape | codebook | K | rows | exl3moe us | fp16 us | ratio | exllamav3 us |", "|---|---|---|---|---|---|---|---|"]
-    for r in doc["results"]:
-        if r["K"] == 4 and r["codebook"] in ("mcg", "mul1") and (r["k"], r["n"]) in SHOWN_SHAPES:
-            ex = EXL3_LINEAR.get((r["k"], r["n"], r["codebook"], 4), {}).get(r["rows"], "")
-            out.append(f"| {r['k']}x{r['n']} | {r['codebook']} | 4 | {r['rows']} | {r['us']} | {r['fp16_us']} | "
-                       f"{r['us'] / r['fp16_us']:.2f} | {ex} |")
+    shown = [r for r in doc["results"] if r["K"] == 4 and r["codebook"] in ("mcg", "mul1")
+             and (r["k"], r["n"]) in SHOWN_SHAPES]
+    for r in sorted(shown, key=lambda r: (SHOWN_SHAPES.index((r["k"], r["n"])), r["codebook"], r["rows"])):
+        ex = EXL3_LINEAR.get((r["k"], r["n"], r["codebook"], 4), {}).get(r["rows"], "")
+        out.append(f"| {r['k']}x{r['n']} | {r['codebook']} | 4 | {r['rows']} | {r['us']} | {r['fp16_us']} | "
+                   f"{r['us'] / r['fp16_us']:.2f} | {ex} |")
     return "\n".join(out)
 
 

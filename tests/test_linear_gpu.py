@@ -63,6 +63,27 @@ def test_graph_capture_and_replay_allocates_nothing():
     assert torch.equal(out, linear(x, w))
 
 
+def test_dense_path_graph_capture_and_replay_allocates_nothing():
+    w = make_weight(2048, 768, 3, "mcg", seed=4)
+    plan = LinearPlan(w, 300)
+    assert plan.dense_path
+    runner = plan.bind(plan.allocate())
+    x = torch.randn(300, 2048, device="cuda").half()
+    out = torch.empty(300, 768, device="cuda", dtype=torch.float16)
+    runner.run(x, out)
+    first = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first):  # cuBLAS takes its workspace for the capture stream once, on first use
+        runner.run(x, out)
+    graph = capture_allocation_free(lambda: runner.run(x, out), out)
+    x.copy_(torch.randn(300, 2048, device="cuda").half())
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = x.double() @ w.dense(torch.float64) + w.bias.double()
+    assert rel_l2(out, ref) < 2e-3
+    assert torch.equal(out, linear(x, w))
+
+
 ALL_RATES = [(K, cb) for cb in ("3inst", "mcg", "mul1") for K in range(1, 9)] + [(1.5, "mul1"), (2.5, "mul1"),
                                                                                   (3.5, "mul1")]
 

@@ -195,9 +195,12 @@ class LinearRunner:
                            t.block_k, t.num_warps, t.num_stages)
         else:
             partials = self._partials[:rows * n].view(1, rows, n)
-            trellis_decode(w.trellis, w.K, w.codebook, self._dense.view(k, n))
-            trellis_matmul(xh, w.trellis, w.K, w.codebook, partials, 1, 64, 128, 64, 4, 3,
-                           dense=self._dense.view(k, n))
+            dense = self._dense.view(k, n)
+            trellis_decode(w.trellis, w.K, w.codebook, dense)
+            if xh.is_cuda and not interpreting():
+                torch.mm(xh, dense, out_dtype=torch.float32, out=partials[0])  # cuBLAS, fp32 accumulation and output
+            else:
+                trellis_matmul(xh, w.trellis, w.K, w.codebook, partials, 1, 64, 128, 64, 4, 3, dense=dense)
         trellis_epilogue(partials, w.svh, w.bias, out2)
         return out
 
