@@ -91,7 +91,7 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
 
 
 def test_linear_launches_match_the_kernel_signatures(launches):
-    from exl3moe.kernels.trellis_mma import plan_mma, rotate_input, trellis_mma
+    from exl3moe.kernels.trellis_mma import DENSE_KTILES, decode_dense, plan_mma, rotate_input, trellis_mma
 
     w = random_weight(256, 384, 3, "mul1", bias=True)
     tiles = plan_mma(256, 384)
@@ -101,5 +101,7 @@ def test_linear_launches_match_the_kernel_signatures(launches):
             rotate_input(x, w.suh, torch.empty(rows, 256).half())
         trellis_mma(x, w, torch.empty(tiles.splits, rows, 384), torch.zeros(64, dtype=torch.int32),
                     torch.empty(rows, 384).half(), tiles)
+    decode_dense(w, torch.empty(256, 384).half())
     check(launches)
-    assert [func[1] for func, *_ in launches] == ["trellis_mma", "rotate_input", "trellis_mma"]
+    assert [func[1] for func, *_ in launches] == ["trellis_mma", "rotate_input", "trellis_mma", "trellis_dense"]
+    assert launches[-1][1] == (384 // 16 // 4, -(-256 // 16 // DENSE_KTILES), 1), "every (n16 tile, k range)"

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from exl3moe import EXL3Weight
+from exl3moe.format.weight import decode
+from exl3moe.kernels.trellis_mma import decode_dense
 from exl3moe.ops.linear import LinearPlan, linear
 from helpers import capture_allocation_free
 
@@ -102,3 +104,12 @@ def test_every_rate_on_both_backends(K, codebook, backend, monkeypatch):
         out = torch.empty(rows, 512, device="cuda", dtype=torch.float16)
         runner.run(x[:rows], out)
         assert rel_l2(out, ref[:rows]) < 2e-3, (rows, rel_l2(out, ref[:rows]))
+
+
+@pytest.mark.parametrize("K,codebook", ALL_RATES)
+def test_cuda_dense_decode_is_bit_exact(K, codebook):
+    w = make_weight(640, 384, K, codebook, seed=5)  # 40 k-tiles: each column in three warp ranges, the last partial
+    dense = torch.full((640, 384), float("nan"), device="cuda", dtype=torch.float16)
+    decode_dense(w, dense)
+    expected = decode(w.trellis.cpu(), K, codebook)
+    assert torch.equal(dense.cpu().view(torch.int16), expected.view(torch.int16))

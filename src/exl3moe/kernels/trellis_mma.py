@@ -77,6 +77,23 @@ def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: 
     return nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0), nt
 
 
+DENSE_KTILES = 4  # k-tiles per warp of trellis_dense, their words all loaded before the first decode
+
+
+def dense_kernel(K: float, codebook: str, device: torch.device):
+    """trellis_dense's CUfunction for (K, codebook); compiling it if needed."""
+    defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("DENSE_KTILES", DENSE_KTILES))
+    return nvrtc.kernel("trellis_dense.cu", "trellis_dense", defines, device.index or 0)
+
+
+def decode_dense(w, dense: torch.Tensor) -> torch.Tensor:
+    """dense [k, n] fp16 <- W_inner of w, the same bits as format.decode."""
+    ktiles, tiles_n = w.trellis.shape[:2]
+    grid = (-(-tiles_n // 4), -(-ktiles // DENSE_KTILES), 1)
+    nvrtc.launch(dense_kernel(w.K, w.codebook, dense.device), grid, 128, [w.trellis, dense, tiles_n, ktiles])
+    return dense
+
+
 def rotate_kernel(device: torch.device):
     """rotate_input's CUfunction (its module needs some trellis defines; these are arbitrary)."""
     defines = (("K2", 8), ("CB", 1), ("MT", 1), ("NT", 2), ("PF", PREFETCH), ("WARPS", WARPS), ("FUSE_IN", 1))

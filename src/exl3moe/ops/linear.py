@@ -13,8 +13,8 @@ from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
-from ..kernels.trellis_mma import (counter_count, fuses_rotation, mma_kernel, plan_mma, rotate_input, rotate_kernel,
-                                   trellis_mma, variant_for)
+from ..kernels.trellis_mma import (counter_count, decode_dense, dense_kernel, fuses_rotation, mma_kernel, plan_mma,
+                                   rotate_input, rotate_kernel, trellis_mma, variant_for)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -124,6 +124,8 @@ class LinearPlan:
                 mma_kernel(w.K, w.codebook, mt, w.device, fuse_in)
             if not fuses_rotation(max_rows, k, n):
                 rotate_kernel(w.device)
+            if self.dense_path:
+                dense_kernel(w.K, w.codebook, w.device)
         splits = max(self.tiles.splits, self.mma.splits if self.mma is not None else 1)
         sizes = [(max_rows * k, torch.float16), (splits * max_rows * n, torch.float32)]
         if self.dense_path:
@@ -196,7 +198,10 @@ class LinearRunner:
         else:
             partials = self._partials[:rows * n].view(1, rows, n)
             dense = self._dense.view(k, n)
-            trellis_decode(w.trellis, w.K, w.codebook, dense)
+            if mma is not None:
+                decode_dense(w, dense)
+            else:
+                trellis_decode(w.trellis, w.K, w.codebook, dense)
             if xh.is_cuda and not interpreting():
                 torch.mm(xh, dense, out_dtype=torch.float32, out=partials[0])  # cuBLAS, fp32 accumulation and output
             else:
