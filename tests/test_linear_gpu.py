@@ -50,39 +50,24 @@ def test_row_bytes_do_not_depend_on_row_count(K, codebook):
         assert torch.equal(y.view(torch.int16), full[:rows].view(torch.int16)), rows
 
 
-def test_graph_capture_and_replay_allocates_nothing():
-    w = make_weight(4096, 1408, 4, "mul1", seed=2)
-    plan = LinearPlan(w, 64)
+@pytest.mark.parametrize("k,n,K,codebook,rows", [(4096, 1408, 4, "mul1", 37), (2048, 768, 3, "mcg", 300)])
+def test_graph_capture_and_replay_allocates_nothing(k, n, K, codebook, rows):
+    w = make_weight(k, n, K, codebook, seed=rows)
+    plan = LinearPlan(w, rows)
+    assert plan.dense_path == (rows > 128)
     runner = plan.bind(plan.allocate())
-    x = torch.randn(37, 4096, device="cuda").half()
-    out = torch.empty(37, 1408, device="cuda", dtype=torch.float16)
-    runner.run(x, out)
-    graph = capture_allocation_free(lambda: runner.run(x, out), out)
-    x.copy_(torch.randn(37, 4096, device="cuda").half())
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, linear(x, w))
-
-
-def test_dense_path_graph_capture_and_replay_allocates_nothing():
-    w = make_weight(2048, 768, 3, "mcg", seed=4)
-    plan = LinearPlan(w, 300)
-    assert plan.dense_path
-    runner = plan.bind(plan.allocate())
-    x = torch.randn(300, 2048, device="cuda").half()
-    out = torch.empty(300, 768, device="cuda", dtype=torch.float16)
+    x = torch.randn(rows, k, device="cuda").half()
+    out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
     runner.run(x, out)
     first = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(first):  # cuBLAS takes its workspace for the capture stream once, on first use
+    with torch.cuda.graph(first):  # cuBLAS (above 128 rows) takes its workspace for the capture stream once
         runner.run(x, out)
     graph = capture_allocation_free(lambda: runner.run(x, out), out)
-    x.copy_(torch.randn(300, 2048, device="cuda").half())
+    x.copy_(torch.randn(rows, k, device="cuda").half())
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    ref = x.double() @ w.dense(torch.float64) + w.bias.double()
-    assert rel_l2(out, ref) < 2e-3
+    assert rel_l2(out, x.double() @ w.dense(torch.float64) + w.bias.double()) < 2e-3
     assert torch.equal(out, linear(x, w))
 
 
