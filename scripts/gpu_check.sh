@@ -16,3 +16,5 @@ for b in "$@"; do
   timeout "${BENCH_TIMEOUT:-400}" python3 bench/$b --out "$OUT/${name}_h200.json" 2>&1 | tee "$OUT/$name.log" \
     | grep -v "^\s*$" | tail -40
 done
+# The cache and its noted variants, for scripts/warm_cache.py: a cold machine then skips the compiles.
+[ -n "$EXL3MOE_CACHE_DIR" ] && [ -d "$EXL3MOE_CACHE_DIR" ] && tar czf "$OUT/kernel_cache.tgz" -C "$EXL3MOE_CACHE_DIR" .

@@ -51,3 +51,17 @@ def test_default_directory_follows_xdg(monkeypatch, tmp_path):
     monkeypatch.delenv("EXL3MOE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert nvrtc.cache_dir() == os.path.join(str(tmp_path), "exl3moe", "cubins")
+
+
+def test_noted_variants_are_rebuilt_for_the_current_sources(tmp_path, monkeypatch):
+    monkeypatch.setenv("EXL3MOE_CACHE_DIR", str(tmp_path))
+    compiles = fake_compiler(monkeypatch)
+    defines = {"K2": 8, "CB": 1, "DENSE_KTILES": "4"}
+    nvrtc.record_variant("trellis_dense.cu", defines, "// prelude\n", "sm_90")
+    nvrtc.record_variant("trellis_dense.cu", defines, "// prelude\n", "sm_90")
+    assert len(os.listdir(tmp_path / "variants")) == 1
+    assert nvrtc.rebuild_variants() == (1, 0)
+    text = "// prelude\n" + nvrtc.source("trellis_dense.cu")
+    assert compiles == [(text, defines, "sm_90")]
+    assert os.path.isfile(nvrtc.cubin_path(text, defines, "sm_90"))
+    assert nvrtc.rebuild_variants() == (0, 1), "a cached variant is not compiled again"

@@ -2,7 +2,9 @@
 
 Optional: without `cuda.bindings`, or with EXL3MOE_CUDA_KERNELS=0, callers use the Triton kernels instead.
 EXL3MOE_NVRTC_DEFINES="NAME=1,OTHER=2" adds -D options to every compile (for kernel experiments).
-Compiled cubins are kept on disk (cache_dir) keyed by source, options, architecture and NVRTC version.
+Compiled cubins are kept on disk (cache_dir) keyed by source, options, architecture and NVRTC version; each
+variant a process loads is also noted there (variants/), so that a machine with the same NVRTC and no GPU can
+rebuild the cache for newer sources (rebuild_variants, scripts/warm_cache.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import json
 import os
 import tempfile
 from importlib import resources
@@ -100,14 +103,47 @@ def cached_cubin(text: str, defines: dict, arch: str) -> bytes:
             return cubin
     cubin = compile_cubin(text, defines, arch)
     if path is not None:
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), delete=False) as fh:
-                fh.write(cubin)
-            os.replace(fh.name, path)
-        except OSError:
-            pass  # a read-only or full cache only costs the next process a compile
+        _write_atomically(path, cubin)
     return cubin
+
+
+def _write_atomically(path: str, data: bytes) -> None:
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), delete=False) as fh:
+            fh.write(data)
+        os.replace(fh.name, path)
+    except OSError:
+        pass  # a read-only or full cache only costs the next process a compile
+
+
+def record_variant(file: str, defines: dict, prelude: str, arch: str) -> None:
+    """Note (file, defines, prelude, arch) under cache_dir()/variants, once."""
+    directory = cache_dir()
+    if directory is None:
+        return
+    entry = json.dumps({"file": file, "defines": defines, "prelude": prelude, "arch": arch}, sort_keys=True)
+    path = os.path.join(directory, "variants", hashlib.sha256(entry.encode()).hexdigest()[:32] + ".json")
+    if not os.path.exists(path):
+        _write_atomically(path, entry.encode())
+
+
+def rebuild_variants() -> tuple:
+    """Compile every noted variant against the current sources into the cache: (compiled, already cached)."""
+    directory = cache_dir()
+    variants = os.path.join(directory, "variants") if directory else ""
+    compiled = cached = 0
+    for name in sorted(os.listdir(variants)) if os.path.isdir(variants) else []:
+        with open(os.path.join(variants, name)) as fh:
+            entry = json.load(fh)
+        text = entry["prelude"] + source(entry["file"])
+        path = cubin_path(text, entry["defines"], entry["arch"])
+        if os.path.isfile(path) and os.path.getsize(path):
+            cached += 1
+            continue
+        cached_cubin(text, entry["defines"], entry["arch"])
+        compiled += 1
+    return compiled, cached
 
 
 def source(file: str) -> str:
@@ -142,6 +178,7 @@ def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str
         if path is not None and os.path.exists(path):
             os.remove(path)
         module = _check(driver.cuModuleLoadData(cached_cubin(text, options, arch)), "cuModuleLoadData")
+    record_variant(file, options, prelude, arch)
     return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
 
