@@ -16,16 +16,18 @@ def main(args):
     g = torch.Generator(device="cuda").manual_seed(0)
     for shape in args.shapes:
         k, n = map(int, shape.split("x"))
-        ws = [EXL3Weight(torch.randint(-32768, 32767, (k // 16, n // 16, 16 * args.K), dtype=torch.int16, device="cuda",
-                                       generator=g), torch.ones(k, device="cuda").half(), torch.ones(n, device="cuda").half(),
-                         args.codebook) for _ in range(copies_for(k * n * args.K // 8))]
+        ones = torch.ones(max(k, n), device="cuda").half()
+        ws = [EXL3Weight(torch.randint(-32768, 32767, (k // 16, n // 16, 16 * args.K), dtype=torch.int16,
+                                       device="cuda", generator=g), ones[:k], ones[:n], args.codebook)
+              for _ in range(copies_for(k * n * args.K // 8))]
         dense = torch.empty(k, n, device="cuda", dtype=torch.float16)
         line = f"{k}x{n} K{args.K} {args.codebook}:"
         for kt in args.ktiles:
             tmma.DENSE_KTILES = kt
             line += f" cuda decode/{kt} {time_graph([lambda w=w: tmma.decode_dense(w, dense) for w in ws]):6.1f}"
         tmma.DENSE_KTILES = args.ktiles[0]
-        line += f" | triton decode {time_graph([lambda w=w: trellis_decode(w.trellis, w.K, w.codebook, dense) for w in ws]):6.1f}"
+        triton = time_graph([lambda w=w: trellis_decode(w.trellis, w.K, w.codebook, dense) for w in ws])
+        line += f" | triton decode {triton:6.1f}"
         x = (torch.randn(args.rows, k, device="cuda", generator=g) * 0.1).half()
         part = torch.empty(args.rows, n, device="cuda")
         line += f" | mm fp32 {time_graph([lambda: torch.mm(x, dense, out_dtype=torch.float32, out=part)]):6.1f}"

@@ -318,8 +318,9 @@ class MoERunner:
     def chunk_launches(self, hidden, topk_ids, topk_weights, out) -> dict:
         """The launches of one chunk, in call order, as named callables (run calls them all; probes time each)."""
         plan, ws = self.plan, self._ws
-        if topk_ids.shape[0] > plan.chunk_tokens:
-            raise ContractError("topk_ids", f"one chunk holds at most {plan.chunk_tokens} tokens, got {topk_ids.shape[0]}")
+        tokens = topk_ids.shape[0]
+        if tokens > plan.chunk_tokens:
+            raise ContractError("topk_ids", f"one chunk holds at most {plan.chunk_tokens} tokens, got {tokens}")
         shared = self._shared_launches(hidden, topk_ids.shape[0])
         shared_y = ws["shared_y"] if shared else None
         if plan.mma is not None and plan.mma.direct:
