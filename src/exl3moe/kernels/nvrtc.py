@@ -93,14 +93,20 @@ def cubin_path(text: str, defines: dict, arch: str) -> str | None:
     return os.path.join(directory, hashlib.sha256(key.encode()).hexdigest() + ".cubin")
 
 
+def _cached(path: str | None) -> bytes | None:
+    """The cubin stored at `path`, or None when there is none (or only an empty file)."""
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path, "rb") as fh:
+        return fh.read() or None
+
+
 def cached_cubin(text: str, defines: dict, arch: str) -> bytes:
     """compile_cubin, through the disk cache: written atomically, so a reader never sees half a file."""
     path = cubin_path(text, defines, arch)
-    if path is not None and os.path.isfile(path):
-        with open(path, "rb") as fh:
-            cubin = fh.read()
-        if cubin:
-            return cubin
+    cubin = _cached(path)
+    if cubin is not None:
+        return cubin
     cubin = compile_cubin(text, defines, arch)
     if path is not None:
         _write_atomically(path, cubin)
@@ -137,8 +143,7 @@ def rebuild_variants() -> tuple:
         with open(os.path.join(variants, name)) as fh:
             entry = json.load(fh)
         text = entry["prelude"] + source(entry["file"])
-        path = cubin_path(text, entry["defines"], entry["arch"])
-        if os.path.isfile(path) and os.path.getsize(path):
+        if _cached(cubin_path(text, entry["defines"], entry["arch"])) is not None:
             cached += 1
             continue
         cached_cubin(text, entry["defines"], entry["arch"])
