@@ -91,7 +91,8 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
 
 
 def test_linear_launches_match_the_kernel_signatures(launches):
-    from exl3moe.kernels.trellis_mma import DENSE_KTILES, decode_dense, plan_mma, rotate_input, trellis_mma
+    from exl3moe.kernels.trellis_mma import (DENSE_KTILES, decode_dense, dense_epilogue, plan_mma, rotate_input,
+                                             trellis_mma)
 
     w = random_weight(256, 384, 3, "mul1", bias=True)
     tiles = plan_mma(256, 384)
@@ -102,6 +103,9 @@ def test_linear_launches_match_the_kernel_signatures(launches):
         trellis_mma(x, w, torch.empty(tiles.splits, rows, 384), torch.zeros(64, dtype=torch.int32),
                     torch.empty(rows, 384).half(), tiles)
     decode_dense(w, torch.empty(256, 384).half())
+    dense_epilogue(torch.empty(300, 384), w, torch.empty(300, 384).half())
     check(launches)
-    assert [func[1] for func, *_ in launches] == ["trellis_mma", "rotate_input", "trellis_mma", "trellis_dense"]
-    assert launches[-1][1] == (384 // 16 // 4, -(-256 // 16 // DENSE_KTILES), 1), "every (n16 tile, k range)"
+    assert [func[1] for func, *_ in launches] == ["trellis_mma", "rotate_input", "trellis_mma", "trellis_dense",
+                                                  "dense_epilogue"]
+    assert launches[-2][1] == (384 // 16 // 4, -(-256 // 16 // DENSE_KTILES), 1), "every (n16 tile, k range)"
+    assert launches[-1][1] == (300, 1, 1), "one warp per (row, 128 columns)"

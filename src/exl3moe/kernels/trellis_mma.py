@@ -19,6 +19,7 @@ CHUNK_K = 128  # inputs per staged x chunk; splits are whole chunks
 TARGET_WARPS = 4096  # warps in flight at one row: enough loads outstanding to cover DRAM latency
 PREFETCH = 4
 PAIR_SCALAR_MAX_MT = 2
+MAX_GRID_Y = 65535
 # Rows up to which the matmul kernel rotates x itself (above, rotate_input does, one launch more): small
 # weights are launch-bound, large ones pay for rotating many rows in every block.
 FUSED_ROTATION_ROWS_SMALL, FUSED_ROTATION_ROWS_LARGE, SMALL_WEIGHT = 16, 4, 1 << 24
@@ -80,10 +81,10 @@ def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: 
 DENSE_KTILES = 4  # k-tiles per warp of trellis_dense, their words all loaded before the first decode
 
 
-def dense_kernel(K: float, codebook: str, device: torch.device):
-    """trellis_dense's CUfunction for (K, codebook); compiling it if needed."""
+def dense_kernel(K: float, codebook: str, device: torch.device, name: str = "trellis_dense"):
+    """The CUfunction `name` of trellis_dense.cu (trellis_dense or dense_epilogue) for (K, codebook)."""
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("DENSE_KTILES", DENSE_KTILES))
-    return nvrtc.kernel("trellis_dense.cu", "trellis_dense", defines, device.index or 0)
+    return nvrtc.kernel("trellis_dense.cu", name, defines, device.index or 0)
 
 
 def decode_dense(w, dense: torch.Tensor) -> torch.Tensor:
@@ -92,6 +93,14 @@ def decode_dense(w, dense: torch.Tensor) -> torch.Tensor:
     grid = (-(-tiles_n // 4), -(-ktiles // DENSE_KTILES), 1)
     nvrtc.launch(dense_kernel(w.K, w.codebook, dense.device), grid, 128, [w.trellis, dense, tiles_n, ktiles])
     return dense
+
+
+def dense_epilogue(y: torch.Tensor, w, out: torch.Tensor) -> torch.Tensor:
+    """out [rows, n] = Hn128(y) * svh + bias blockwise, y fp32 [rows, n] contiguous (rows < 2^31)."""
+    rows, n = y.shape
+    func = dense_kernel(w.K, w.codebook, y.device, "dense_epilogue")
+    nvrtc.launch(func, (rows, -(-n // 512), 1), 128, [y, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], n, out.stride(0)])
+    return out
 
 
 def rotate_kernel(device: torch.device):
@@ -104,7 +113,10 @@ def rotate_input(x: torch.Tensor, suh: torch.Tensor, xh: torch.Tensor) -> torch.
     """xh [rows, k] fp16 = Hn128(x * suh), bit-identical to the kernel's own rotation of up to 16 rows."""
     rows, k = x.shape
     func = rotate_kernel(x.device)
-    nvrtc.launch(func, (-(-k // 512), rows, 1), 128, [x, int(x.dtype == torch.bfloat16), suh, xh, k, x.stride(0)])
+    for r0 in range(0, rows, MAX_GRID_Y):  # grid y counts rows
+        part = min(MAX_GRID_Y, rows - r0)
+        nvrtc.launch(func, (-(-k // 512), part, 1), 128, [x[r0:r0 + part], int(x.dtype == torch.bfloat16), suh,
+                                                         xh[r0:r0 + part], k, x.stride(0)])
     return xh
 
 

@@ -13,8 +13,8 @@ from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
-from ..kernels.trellis_mma import (counter_count, decode_dense, dense_kernel, fuses_rotation, mma_kernel, plan_mma,
-                                   rotate_input, rotate_kernel, trellis_mma, variant_for)
+from ..kernels.trellis_mma import (counter_count, decode_dense, dense_epilogue, dense_kernel, fuses_rotation,
+                                   mma_kernel, plan_mma, rotate_input, rotate_kernel, trellis_mma, variant_for)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -126,6 +126,8 @@ class LinearPlan:
                 rotate_kernel(w.device)
             if self.dense_path:
                 dense_kernel(w.K, w.codebook, w.device)
+                dense_kernel(w.K, w.codebook, w.device, "dense_epilogue")
+                rotate_kernel(w.device)
         splits = max(self.tiles.splits, self.mma.splits if self.mma is not None else 1)
         sizes = [(max_rows * k, torch.float16), (splits * max_rows * n, torch.float32)]
         if self.dense_path:
@@ -189,6 +191,8 @@ class LinearRunner:
                 x2 = rotate_input(x2, w.suh, xh)
             trellis_mma(x2, w, partials, self._counters, out2, mma)
             return out
+        if rows > MAX_FUSED_ROWS and mma is not None:
+            return self._dense_cuda(x2, xh, out2, out)
         hadamard128(x2, xh, pre=w.suh)
         t = self.plan.tiles
         if rows <= MAX_FUSED_ROWS:
@@ -198,15 +202,23 @@ class LinearRunner:
         else:
             partials = self._partials[:rows * n].view(1, rows, n)
             dense = self._dense.view(k, n)
-            if mma is not None:
-                decode_dense(w, dense)
-            else:
-                trellis_decode(w.trellis, w.K, w.codebook, dense)
+            trellis_decode(w.trellis, w.K, w.codebook, dense)
             if xh.is_cuda and not interpreting():
                 torch.mm(xh, dense, out_dtype=torch.float32, out=partials[0])  # cuBLAS, fp32 accumulation and output
             else:
                 trellis_matmul(xh, w.trellis, w.K, w.codebook, partials, 1, 64, 128, 64, 4, 3, dense=dense)
         trellis_epilogue(partials, w.svh, w.bias, out2)
+        return out
+
+    def _dense_cuda(self, x2, xh, out2, out):
+        """More than 128 rows on a GPU: rotate, decode W_inner once, cuBLAS (fp32 accumulation and output), then
+        the output Hadamard, svh and bias; all CUDA kernels but the GEMM."""
+        w = self.plan.weight
+        rows, (k, n) = x2.shape[0], (w.in_features, w.out_features)
+        y = self._partials[:rows * n].view(rows, n)
+        rotate_input(x2, w.suh, xh)
+        torch.mm(xh, decode_dense(w, self._dense.view(k, n)), out_dtype=torch.float32, out=y)
+        dense_epilogue(y, w, out2)
         return out
 
 

@@ -45,3 +45,24 @@ trellis_dense(const u32* __restrict__ words, unsigned short* __restrict__ dense,
         __syncwarp();
     }
 }
+
+// out[r, c] = Hn128(y[r, 128-column chunk of c]) * svh[c] + bias[c], y fp32 [rows, n] (the GEMM's output): one warp
+// per (row, 128 columns), grid (rows, n / 512); the arithmetic of trellis_mma's reduction for one split.
+extern "C" __global__ void __launch_bounds__(128)
+dense_epilogue(const float* __restrict__ y, const unsigned short* __restrict__ svh,
+               const unsigned short* __restrict__ bias, void* __restrict__ out, int out_dtype, int n, int stride_out) {
+    const int lane = threadIdx.x & 31, chunk = blockIdx.y * 4 + (threadIdx.x >> 5);
+    if (chunk * 128 >= n) return;
+    const int c = chunk * 128 + 4 * lane;
+    const size_t r = blockIdx.x;
+    const float4 q = __ldg(reinterpret_cast<const float4*>(y + r * n + c));
+    float v[4] = {q.x, q.y, q.z, q.w};
+    hadamard128_warp(v, lane);
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const float o = v[j] * INV_SQRT_128 * half_to_float(svh[c + j]) + (bias != nullptr ? half_to_float(bias[c + j]) : 0.f);
+        if (out_dtype == 2) reinterpret_cast<float*>(out)[r * stride_out + c + j] = o;
+        else if (out_dtype == 1) reinterpret_cast<unsigned short*>(out)[r * stride_out + c + j] = float_to_bf16(o);
+        else reinterpret_cast<unsigned short*>(out)[r * stride_out + c + j] = float_to_half(o);
+    }
+}
