@@ -12,6 +12,7 @@ from moe import LAYERS, SHAPES, TOKENS  # noqa: E402
 
 from exl3moe import EXL3Weight, ExpertSet, ResidualStage  # noqa: E402
 from exl3moe.kernels import nvrtc  # noqa: E402
+from exl3moe.ops import linear as linear_ops  # noqa: E402
 from exl3moe.ops.linear import LinearPlan  # noqa: E402
 from exl3moe.ops.moe import moe_plan  # noqa: E402
 
@@ -28,6 +29,7 @@ def pretend_sm90() -> None:
         nvrtc.record_variant(file, {**dict(defines), **nvrtc.extra_defines()}, prelude, f"sm_90{arch_suffix}")
         return file, name
     nvrtc.kernel = kernel
+    linear_ops.uses_ws = lambda rows, device: rows >= 65
 
 
 @functools.lru_cache(maxsize=None)

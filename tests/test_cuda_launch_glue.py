@@ -36,7 +36,8 @@ def launches(monkeypatch):
     recorded = []
     monkeypatch.setattr(nvrtc, "available", lambda device: True)
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="": (file, name, prelude))
-    monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args: recorded.append((func, grid, block, args)))
+    monkeypatch.setattr(nvrtc, "launch",
+                        lambda func, grid, block, args, shared=0: recorded.append((func, grid, block, args)))
     return recorded
 
 
@@ -109,3 +110,29 @@ def test_linear_launches_match_the_kernel_signatures(launches):
                                                   "dense_epilogue"]
     assert launches[-2][1] == (384 // 16 // 4, -(-256 // 16 // DENSE_KTILES), 1), "every (n16 tile, k range)"
     assert launches[-1][1] == (300, 1, 1), "one warp per (row, 128 columns)"
+
+
+@pytest.mark.parametrize("spb_env, expected_spb", [("", 1), ("3", 3)])
+def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, spb_env, expected_spb):
+    from exl3moe.kernels import trellis_mma as tm
+
+    monkeypatch.setenv("EXL3MOE_WS_SPB", spb_env)
+    monkeypatch.setattr(tm, "_sm_count", lambda index: 132)
+    w = random_weight(4096, 14336 // 8, 4, "mcg")  # 14 column blocks: 9 split groups fit in one wave
+    tiles = tm.MmaTiles(8, 32)
+    x = torch.randn(100, 4096).half()
+    tm._launch_ws(x, w, torch.empty(8, 100, 1792), torch.zeros(64, dtype=torch.int32), torch.empty(100, 1792).half(),
+                  tiles)
+    check(launches)
+    (func, grid, block, args), = launches
+    assert func[1] == "trellis_ws" and block == 512 and args[-1] == expected_spb
+    assert grid == (1792 // 128, -(-8 // expected_spb), 1), "every (128 columns, split group, 128 rows)"
+
+
+def test_splits_per_block_keep_one_wave():
+    from exl3moe.kernels.trellis_mma import ws_splits_per_block
+
+    assert ws_splits_per_block(8, 112, 132) == 8, "112 column blocks: one split group"
+    assert ws_splits_per_block(28, 32, 132) == 7, "32 column blocks: 4 groups of 7 splits"
+    assert ws_splits_per_block(16, 6, 132) == 1
+    assert ws_splits_per_block(8, 300, 132) == 8, "more column blocks than SMs: every split in one block"

@@ -98,3 +98,21 @@ def test_cuda_dense_decode_is_bit_exact(K, codebook):
     decode_dense(w, dense)
     expected = decode(w.trellis.cpu(), K, codebook)
     assert torch.equal(dense.cpu().view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("k,n,spb,dtype", [(4096, 1408, "", torch.float16), (4096, 1408, "3", torch.float32),
+                                           (2048, 768, "5", torch.bfloat16)])
+def test_warp_specialized_kernel_gives_trellis_mma_bytes(k, n, spb, dtype, monkeypatch):
+    from exl3moe.kernels.trellis_mma import uses_ws
+
+    assert uses_ws(65, torch.device("cuda")), "the H200 runs 65-128 rows on trellis_ws"
+    w = make_weight(k, n, 4, "mcg", seed=7)
+    x = torch.randn(128, k, device="cuda").half()
+    monkeypatch.setenv("EXL3MOE_WS", "0")
+    expected = {rows: linear(x[:rows], w, out_dtype=dtype) for rows in (20, 40, 65, 100, 128)}
+    monkeypatch.setenv("EXL3MOE_WS", "1")
+    monkeypatch.setenv("EXL3MOE_WS_SPB", spb)
+    monkeypatch.setenv("EXL3MOE_WS_MIN_ROWS", "17")  # 17..64 rows too, against the 2- and 4-m-tile kernels
+    for rows, ref in expected.items():
+        y = linear(x[:rows], w, out_dtype=dtype)
+        assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8)), rows

@@ -187,9 +187,18 @@ def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str
     return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
 
-def launch(func, grid: tuple, block: int, args: list) -> None:
-    """Launch on torch's current stream; args are tensors or None (pointers), ints or floats."""
+_DEFAULT_SHARED_LIMIT = 48 * 1024
+_shared_limits: dict = {}
+
+
+def launch(func, grid: tuple, block: int, args: list, shared: int = 0) -> None:
+    """Launch on torch's current stream; args are tensors or None (pointers), ints or floats; `shared` bytes of
+    dynamic shared memory (the function's limit is raised once where it exceeds the default 48 KB)."""
     driver, _ = _bindings()
+    if shared > _shared_limits.get(int(func), _DEFAULT_SHARED_LIMIT):
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        _check(driver.cuFuncSetAttribute(func, attribute, shared), "cuFuncSetAttribute")
+        _shared_limits[int(func)] = shared
     values, types = [], []
     for a in args:
         if a is None:
@@ -205,5 +214,5 @@ def launch(func, grid: tuple, block: int, args: list) -> None:
             values.append(int(a))
             types.append(ctypes.c_int)
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
-    _check(driver.cuLaunchKernel(func, *grid, block, 1, 1, 0, stream, (tuple(values), tuple(types)), 0),
+    _check(driver.cuLaunchKernel(func, *grid, block, 1, 1, shared, stream, (tuple(values), tuple(types)), 0),
            "cuLaunchKernel")

@@ -7,6 +7,8 @@ applies the output Hadamard, svh and bias. The k split depends on (k, n) only, s
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +129,51 @@ def counter_count(n: int, max_rows: int) -> int:
 
 OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
+WS_STAGES = 8  # ring depth (k-tiles) of trellis_ws
+WS_SHARED_BYTES = WS_STAGES * 8 * 32 * 16 + 2 * 128 * 136 * 2 + 2 * WS_STAGES * 8  # ring, two x chunks, barriers
+
+
+WS_MIN_ROWS = 65  # calls from this many rows (when x comes rotated) run on trellis_ws
+
+
+def uses_ws(rows: int, device: torch.device) -> bool:
+    """Whether a call of `rows` (<= 128) pre-rotated rows runs on the warp-specialized kernel (sm_90 and newer;
+    EXL3MOE_WS=0 keeps trellis_mma, EXL3MOE_WS_MIN_ROWS moves the threshold); both give the same bytes."""
+    min_rows = int(os.environ.get("EXL3MOE_WS_MIN_ROWS") or WS_MIN_ROWS)
+    return (rows >= min_rows and device.type == "cuda" and os.environ.get("EXL3MOE_WS", "1") == "1"
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def ws_kernel(K: float, codebook: str, device: torch.device):
+    defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH), ("STAGES", WS_STAGES),
+               ("PAIR_SCALAR", 2))
+    return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def ws_splits_per_block(splits: int, col_blocks: int, sms: int) -> int:
+    """Consecutive splits per trellis_ws block: as many as keep the blocks of one row block within one wave."""
+    override = int(os.environ.get("EXL3MOE_WS_SPB") or 0)
+    if override > 0:
+        return min(override, splits)
+    groups = max(1, sms // max(1, col_blocks))
+    return -(-splits // groups)
+
+
+def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
+    rows, k = x.shape
+    tiles_n = w.trellis.shape[1]
+    spb = ws_splits_per_block(tiles.splits, tiles_n // 8, _sm_count(x.device.index or 0))
+    grid = (tiles_n // 8, -(-tiles.splits // spb), -(-rows // 128))
+    nvrtc.launch(ws_kernel(w.K, w.codebook, x.device), grid, 512,
+                 [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
+                  tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb],
+                 shared=WS_SHARED_BYTES)
+
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
                 tiles: MmaTiles, prefetch: int = PREFETCH, nt: int | None = None, mt: int | None = None) -> torch.Tensor:
@@ -137,6 +184,9 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     tiles_n = w.trellis.shape[1]
     planned_mt, fuse_in = variant_for(rows, k, tiles_n * 16)
     mt = mt or planned_mt
+    if uses_ws(rows, x.device) and not fuse_in and mt == planned_mt and prefetch == PREFETCH and nt is None:
+        _launch_ws(x, w, partials, counters, out, tiles)
+        return out
     func, nt = mma_kernel(w.K, w.codebook, mt, x.device, fuse_in, prefetch, nt)
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,

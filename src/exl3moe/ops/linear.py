@@ -14,7 +14,8 @@ from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
 from ..kernels.trellis_mma import (counter_count, decode_dense, dense_epilogue, dense_kernel, fuses_rotation,
-                                   mma_kernel, plan_mma, rotate_input, rotate_kernel, trellis_mma, variant_for)
+                                   mma_kernel, plan_mma, rotate_input, rotate_kernel, trellis_mma, uses_ws, variant_for,
+                                   ws_kernel)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -120,8 +121,11 @@ class LinearPlan:
         # CUDA C++ fused path where it can run (compiled here, before any capture); Triton otherwise.
         self.mma = plan_mma(k, n) if nvrtc.available(w.device) else None
         if self.mma is not None:
-            for mt, fuse_in in {variant_for(rows, k, n) for rows in range(1, min(max_rows, MAX_FUSED_ROWS) + 1)}:
+            fused_rows = range(1, min(max_rows, MAX_FUSED_ROWS) + 1)
+            for mt, fuse_in in {variant_for(rows, k, n) for rows in fused_rows}:
                 mma_kernel(w.K, w.codebook, mt, w.device, fuse_in)
+            if any(uses_ws(rows, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
+                ws_kernel(w.K, w.codebook, w.device)
             if not fuses_rotation(max_rows, k, n):
                 rotate_kernel(w.device)
             if self.dense_path:

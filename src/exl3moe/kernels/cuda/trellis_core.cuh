@@ -302,3 +302,43 @@ template <int MT_, int NT_>
 __device__ __forceinline__ void scale_acc(float (&acc)[MT_][NT_][2][4], float f) {
     each_acc(acc, [f](float a) { return a * f; });
 }
+
+// The last block of a (row block, 128 columns) group: out[m0 + r, group_col + j] = Hn(sum over splits of part)
+// * svh + bias for rows r < block_rows, R rows per warp at a time so that their split loads are in flight together.
+template <int R>
+__device__ __forceinline__ void reduce_group(const float* part, const unsigned short* svh, const unsigned short* bias,
+                                             void* out, int out_dtype, int rows, int n, int m0, int block_rows,
+                                             int group_col, int stride_out, int splits, int warps) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int c = group_col + 4 * lane;
+    float sv[4], bv[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        sv[j] = half_to_float(svh[c + j]);
+        bv[j] = bias != nullptr ? half_to_float(bias[c + j]) : 0.f;
+    }
+    for (int r0 = warp * R; r0 < block_rows; r0 += warps * R) {
+        float v[R][4];
+#pragma unroll
+        for (int i = 0; i < R; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[i][j] = 0.f;
+#pragma unroll
+        for (int i = 0; i < R; i++)
+            if (r0 + i < block_rows) add_splits(v[i], part + (size_t)(m0 + r0 + i) * n + c, (size_t)rows * n, splits);
+#pragma unroll
+        for (int i = 0; i < R; i++) {
+            hadamard128_warp(v[i], lane);
+            if (r0 + i < block_rows) {
+                const size_t o = (size_t)(m0 + r0 + i) * stride_out + c;
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    const float y = v[i][j] * INV_SQRT_128 * sv[j] + bv[j];
+                    if (out_dtype == 2) reinterpret_cast<float*>(out)[o + j] = y;
+                    else if (out_dtype == 1) reinterpret_cast<unsigned short*>(out)[o + j] = float_to_bf16(y);
+                    else reinterpret_cast<unsigned short*>(out)[o + j] = float_to_half(y);
+                }
+            }
+        }
+    }
+}

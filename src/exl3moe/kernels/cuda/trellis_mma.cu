@@ -76,36 +76,5 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
     constexpr int BLOCK_COLS = WARPS * NT * 16;
     const int group_col = (blockIdx.x * BLOCK_COLS) / 128 * 128;
     if (!last_arrival(counters + blockIdx.z * (n / 128) + group_col / 128, splits * (128 / BLOCK_COLS))) return;
-    const int c = group_col + 4 * lane;
-    float sv[4], bv[4];
-#pragma unroll
-    for (int j = 0; j < 4; j++) {
-        sv[j] = half_to_float(svh[c + j]);
-        bv[j] = bias != nullptr ? half_to_float(bias[c + j]) : 0.f;
-    }
-    // MT rows per warp at a time, so their split loads are in flight together.
-    for (int r0 = warp * MT; r0 < block_rows; r0 += WARPS * MT) {
-        float v[MT][4];
-#pragma unroll
-        for (int i = 0; i < MT; i++)
-#pragma unroll
-            for (int j = 0; j < 4; j++) v[i][j] = 0.f;
-#pragma unroll
-        for (int i = 0; i < MT; i++)
-            if (r0 + i < block_rows) add_splits(v[i], part + (size_t)(m0 + r0 + i) * n + c, (size_t)rows * n, splits);
-#pragma unroll
-        for (int i = 0; i < MT; i++) {
-            hadamard128_warp(v[i], lane);
-            if (r0 + i < block_rows) {
-                const size_t o = (size_t)(m0 + r0 + i) * stride_out + c;
-#pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    const float y = v[i][j] * INV_SQRT_128 * sv[j] + bv[j];
-                    if (out_dtype == 2) reinterpret_cast<float*>(out)[o + j] = y;
-                    else if (out_dtype == 1) reinterpret_cast<unsigned short*>(out)[o + j] = float_to_bf16(y);
-                    else reinterpret_cast<unsigned short*>(out)[o + j] = float_to_half(y);
-                }
-            }
-        }
-    }
+    reduce_group<MT>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, group_col, stride_out, splits, WARPS);
 }

@@ -1,0 +1,168 @@
+// EXL3 linear for blocks of 128 rows, warp-specialized: 8 producer warps decode the 8 n16 tiles of a 128-column
+// block into a ring of shared-memory stages (each lane's mma.sync B fragments, as trellis_mma decodes them), and 8
+// consumer warps (32 rows x 64 columns each) run mma.sync on them with x staged by cp.async. Every output element
+// gets the same k16 products in the same order as trellis_mma at 8 m16 tiles, and the same split partials, so the
+// two kernels give the same bytes. A block runs `splits_per_block` consecutive splits. Compile-time (-D): K2, CB,
+// PF (k-tiles of words prefetched per producer), STAGES (ring depth in k-tiles), PAIR_SCALAR.
+#include "trellis_core.cuh"
+
+constexpr int WS_ROWS = 128, WS_TILES = 8, PRODUCERS = 8, CONSUMERS = 8;
+constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
+constexpr int STAGE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
+constexpr int XS_HALVES = WS_ROWS * XS;                // one staged x chunk (128 rows x 128 inputs, row stride XS)
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(u64* bar) {
+    asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// Returns once the phase of parity `parity` of *bar has completed.
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done;
+    do {
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// 16 bytes from src to shared dst, or zeros when !valid (src is then not read).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0)
+                 : "memory");
+}
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
+
+// Producer warp p: tile column jt0 + p of k-tiles [kt_begin, kt_end), decoded into ring stage i % STAGES.
+__device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const u32* __restrict__ words, int tiles_n,
+                                       int jt, int kt_begin, int kt_end, int p) {
+    using T = Trellis<K2, CB>;
+    const int lane = threadIdx.x & 31;
+    const int first_bit = T::first_bit(lane);
+    const u32 sh = first_bit & 31;
+    const size_t k_stride = (size_t)tiles_n * T::WT;
+    const u32* ptr[T::NW];
+#pragma unroll
+    for (int i = 0; i < T::NW; i++)
+        ptr[i] = words + (size_t)jt * T::WT + ((first_bit >> 5) + i) % T::WT + kt_begin * k_stride;
+    u32 buf[PF][T::NW];
+#pragma unroll
+    for (int q = 0; q < PF; q++) {
+#pragma unroll
+        for (int i = 0; i < T::NW; i++) buf[q][i] = __ldg(ptr[i]);
+        if (kt_begin + q + 1 < kt_end) {
+#pragma unroll
+            for (int i = 0; i < T::NW; i++) ptr[i] += k_stride;
+        }
+    }
+    const int nk = kt_end - kt_begin;
+    for (int i0 = 0; i0 < nk; i0 += PF) {
+#pragma unroll
+        for (int q = 0; q < PF; q++) {
+            const int i = i0 + q, s = i % STAGES;
+            u32 b[4];
+            T::decode_tile(buf[q], sh, b);
+#pragma unroll
+            for (int w = 0; w < T::NW; w++) buf[q][w] = __ldg(ptr[w]);
+            if (kt_begin + i + PF + 1 < kt_end) {
+#pragma unroll
+                for (int w = 0; w < T::NW; w++) ptr[w] += k_stride;
+            }
+            mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
+            *reinterpret_cast<uint4*>(ring + s * STAGE_U32 + p * 128 + lane * 4) = make_uint4(b[0], b[1], b[2], b[3]);
+            mbar_arrive(full + s);
+        }
+    }
+}
+
+// Consumer threads stage x rows [m0, m0 + 128) of chunk c0 (128 inputs) into xs; rows past block_rows read as 0.
+__device__ __forceinline__ void stage_x(unsigned short* xs, const unsigned short* __restrict__ x, int m0,
+                                       int block_rows, int stride_x, int c0, int ct) {
+    for (int v = ct; v < WS_ROWS * 16; v += CONSUMERS * 32) {
+        const int r = v >> 4, c = (v & 15) * 8;
+        const bool valid = r < block_rows;
+        cp_async16(xs + r * XS + c, x + (size_t)(m0 + (valid ? r : 0)) * stride_x + c0 * 16 + c, valid);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+}
+
+extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
+trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, float* __restrict__ part,
+           const unsigned short* __restrict__ svh, const unsigned short* __restrict__ bias, void* __restrict__ out,
+           int out_dtype, int* __restrict__ counters, int rows, int n, int tiles_n, int ktiles_total,
+           int ktiles_per_split, int stride_x, int stride_out, int splits, int splits_per_block) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    u32* ring = reinterpret_cast<u32*>(smem);
+    unsigned short* xs = reinterpret_cast<unsigned short*>(smem + STAGES * STAGE_U32 * 4);
+    u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_U32 * 4 + 2 * XS_HALVES * 2);
+    u64* empty = full + STAGES;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int m0 = blockIdx.z * WS_ROWS, block_rows = min(WS_ROWS, rows - m0);
+    const int split0 = blockIdx.y * splits_per_block, split1 = min(split0 + splits_per_block, splits);
+    const int kt_begin = split0 * ktiles_per_split, kt_end = min(split1 * ktiles_per_split, ktiles_total);
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            mbar_init(full + s, PRODUCERS * 32);
+            mbar_init(empty + s, CONSUMERS * 32);
+        }
+    }
+    __syncthreads();
+
+    if (warp < PRODUCERS) {
+        produce(ring, full, empty, words, tiles_n, blockIdx.x * WS_TILES + warp, kt_begin, kt_end, warp);
+    } else {
+        const int c = warp - PRODUCERS, mg = c & 3, ng = c >> 2, ct = threadIdx.x - PRODUCERS * 32;
+        const int my_rows = block_rows - 32 * mg, mtiles = min(2, max(0, (my_rows + 15) / 16));
+        const int jt0 = blockIdx.x * WS_TILES + 4 * ng;
+        const u32 a_lane = smem_addr(xs + (32 * mg + (lane & 15)) * XS + (lane >> 4) * 8);
+        float acc[2][4][2][4];
+        zero_acc(acc);
+        stage_x(xs, x, m0, block_rows, stride_x, kt_begin, ct);
+        int i = 0;
+        for (int split = split0; split < split1; split++) {
+            const int kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, ktiles_total);
+            for (int c0 = kt0; c0 < kt1; c0 += CHUNK) {
+                const int buf = ((c0 - kt_begin) / CHUNK) & 1;
+                consumers_sync();  // every consumer is done with the other buffer's chunk
+                if (c0 + CHUNK < kt_end) stage_x(xs + (buf ^ 1) * XS_HALVES, x, m0, block_rows, stride_x, c0 + CHUNK, ct);
+                else asm volatile("cp.async.commit_group;" ::: "memory");
+                asm volatile("cp.async.wait_group 1;" ::: "memory");
+                consumers_sync();  // this chunk's rows are in xs[buf]
+#pragma unroll 2
+                for (int s = 0; s < CHUNK; s++, i++) {
+                    const int st = i % STAGES;
+                    mbar_wait(full + st, (i / STAGES) & 1);
+                    u32 b[4][4];
+#pragma unroll
+                    for (int t = 0; t < 4; t++) {
+                        const uint4 q = *reinterpret_cast<const uint4*>(ring + st * STAGE_U32 + (4 * ng + t) * 128 + lane * 4);
+                        b[t][0] = q.x; b[t][1] = q.y; b[t][2] = q.z; b[t][3] = q.w;
+                    }
+#pragma unroll
+                    for (int mt = 0; mt < 2; mt++) {
+                        if (mt < mtiles) {
+                            u32 a[4];
+                            ldmatrix_x4(a, a_lane + (buf * XS_HALVES + mt * 16 * XS + s * 16) * 2);
+#pragma unroll
+                            for (int t = 0; t < 4; t++) {
+                                mma16816(acc[mt][t][0], a, b[t][0], b[t][1]);
+                                mma16816(acc[mt][t][1], a, b[t][2], b[t][3]);
+                            }
+                        }
+                    }
+                    mbar_arrive(empty + st);
+                }
+            }
+            if (my_rows > 0) store_partials(acc, part + ((size_t)split * rows + m0 + 32 * mg) * n, n, my_rows, jt0);
+            zero_acc(acc);
+        }
+    }
+    if (!last_arrival(counters + blockIdx.z * (n / 128) + blockIdx.x, gridDim.y)) return;
+    reduce_group<8>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, blockIdx.x * 128, stride_out, splits,
+                    PRODUCERS + CONSUMERS);
+}
