@@ -17,8 +17,12 @@ __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 
-__device__ __forceinline__ void mbar_arrive(u64* bar) {
-    asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(smem_addr(bar)) : "memory");
+// One arrival for the calling warp, after all its lanes' earlier shared-memory accesses.
+__device__ __forceinline__ void warp_arrive(u64* bar) {
+    __syncwarp();
+    if ((threadIdx.x & 31) == 0)
+        asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(smem_addr(bar))
+                     : "memory");
 }
 
 // Returns once the phase of parity `parity` of *bar has completed.
@@ -75,7 +79,7 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
             }
             mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
             *reinterpret_cast<uint4*>(ring + s * STAGE_U32 + p * 128 + lane * 4) = make_uint4(b[0], b[1], b[2], b[3]);
-            mbar_arrive(full + s);
+            warp_arrive(full + s);
         }
     }
 }
@@ -107,8 +111,8 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
     const int kt_begin = split0 * ktiles_per_split, kt_end = min(split1 * ktiles_per_split, ktiles_total);
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(full + s, PRODUCERS * 32);
-            mbar_init(empty + s, CONSUMERS * 32);
+            mbar_init(full + s, PRODUCERS);
+            mbar_init(empty + s, CONSUMERS);
         }
     }
     __syncthreads();
@@ -155,7 +159,7 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
                             }
                         }
                     }
-                    mbar_arrive(empty + st);
+                    warp_arrive(empty + st);
                 }
             }
             if (my_rows > 0) store_partials(acc, part + ((size_t)split * rows + m0 + 32 * mg) * n, n, my_rows, jt0);
