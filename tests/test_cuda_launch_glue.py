@@ -125,7 +125,7 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
                   tiles)
     check(launches)
     (func, grid, block, args), = launches
-    assert func[1] == "trellis_ws" and block == 512 and args[-1] == expected_spb
+    assert func[1] == "trellis_ws" and block == 1024 and args[-1] == expected_spb
     assert grid == (1792 // 128, -(-8 // expected_spb), 1), "every (128 columns, split group, 128 rows)"
 
 

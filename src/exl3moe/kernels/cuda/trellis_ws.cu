@@ -1,13 +1,19 @@
-// EXL3 linear for blocks of 128 rows, warp-specialized: 8 producer warps decode the 8 n16 tiles of a 128-column
-// block into a ring of shared-memory stages (each lane's mma.sync B fragments, as trellis_mma decodes them), and 8
-// consumer warps (32 rows x 64 columns each) run mma.sync on them with x staged by cp.async. Every output element
+// EXL3 linear for blocks of 128 rows, warp-specialized: producer warps decode the 8 n16 tiles of a 128-column block
+// into a ring of shared-memory stages (each lane's mma.sync B fragments, as trellis_mma decodes them), and consumer
+// warps (32 rows x 16 CONSUMER_TILES columns each) run mma.sync on them with x staged by cp.async. Every output element
 // gets the same k16 products in the same order as trellis_mma at 8 m16 tiles, and the same split partials, so the
 // two kernels give the same bytes. A block runs `splits_per_block` consecutive splits. Compile-time (-D): K2, CB,
-// PF (k-tiles of words prefetched per producer), STAGES (ring depth in k-tiles), PAIR_SCALAR.
+// PF (k-tiles of words prefetched per producer), STAGES (ring depth in k-tiles), PAIR_SCALAR, WS_WIDE.
 #include "trellis_core.cuh"
 
-constexpr int WS_ROWS = 128, WS_TILES = 8, PRODUCERS = 8, CONSUMERS = 8;
+#ifndef WS_WIDE
+#define WS_WIDE 1                          // 1: 16 producers, 16 consumers of 32 x 32; 0: 8 and 8 of 32 x 64
+#endif
+constexpr int WS_ROWS = 128, WS_TILES = 8;
+constexpr int PRODUCERS = WS_WIDE ? 16 : 8, K_TURNS = PRODUCERS / WS_TILES;   // producers of a column take k-tiles in turn
+constexpr int CONSUMER_TILES = WS_WIDE ? 2 : 4, CONSUMERS = 4 * (WS_TILES / CONSUMER_TILES);
 constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
+static_assert((CHUNK / K_TURNS) % PF == 0, "a producer's k-tiles of a chunk must be whole prefetch rounds");
 constexpr int STAGE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int XS_HALVES = WS_ROWS * XS;                // one staged x chunk (128 rows x 128 inputs, row stride XS)
 
@@ -42,43 +48,45 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
 
-// Producer warp p: tile column jt0 + p of k-tiles [kt_begin, kt_end), decoded into ring stage i % STAGES.
+// Producer warp p: tile column jt (the block's p % 8th), k-tiles kt_begin + i for i = p / 8 (mod K_TURNS), each
+// decoded into ring stage i % STAGES.
 __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const u32* __restrict__ words, int tiles_n,
                                        int jt, int kt_begin, int kt_end, int p) {
     using T = Trellis<K2, CB>;
     const int lane = threadIdx.x & 31;
     const int first_bit = T::first_bit(lane);
     const u32 sh = first_bit & 31;
-    const size_t k_stride = (size_t)tiles_n * T::WT;
+    const int turn = p / WS_TILES, mine = (kt_end - kt_begin) / K_TURNS;   // k ranges are whole chunks
+    const size_t k_stride = (size_t)tiles_n * T::WT * K_TURNS;
     const u32* ptr[T::NW];
 #pragma unroll
     for (int i = 0; i < T::NW; i++)
-        ptr[i] = words + (size_t)jt * T::WT + ((first_bit >> 5) + i) % T::WT + kt_begin * k_stride;
+        ptr[i] = words + (size_t)jt * T::WT + ((first_bit >> 5) + i) % T::WT + (size_t)(kt_begin + turn) * tiles_n * T::WT;
     u32 buf[PF][T::NW];
 #pragma unroll
     for (int q = 0; q < PF; q++) {
 #pragma unroll
         for (int i = 0; i < T::NW; i++) buf[q][i] = __ldg(ptr[i]);
-        if (kt_begin + q + 1 < kt_end) {
+        if (q + 1 < mine) {
 #pragma unroll
             for (int i = 0; i < T::NW; i++) ptr[i] += k_stride;
         }
     }
-    const int nk = kt_end - kt_begin;
-    for (int i0 = 0; i0 < nk; i0 += PF) {
+    for (int j0 = 0; j0 < mine; j0 += PF) {
 #pragma unroll
         for (int q = 0; q < PF; q++) {
-            const int i = i0 + q, s = i % STAGES;
+            const int j = j0 + q, i = j * K_TURNS + turn, s = i % STAGES;
             u32 b[4];
             T::decode_tile(buf[q], sh, b);
 #pragma unroll
             for (int w = 0; w < T::NW; w++) buf[q][w] = __ldg(ptr[w]);
-            if (kt_begin + i + PF + 1 < kt_end) {
+            if (j + PF + 1 < mine) {
 #pragma unroll
                 for (int w = 0; w < T::NW; w++) ptr[w] += k_stride;
             }
             mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
-            *reinterpret_cast<uint4*>(ring + s * STAGE_U32 + p * 128 + lane * 4) = make_uint4(b[0], b[1], b[2], b[3]);
+            *reinterpret_cast<uint4*>(ring + s * STAGE_U32 + (p % WS_TILES) * 128 + lane * 4) =
+                make_uint4(b[0], b[1], b[2], b[3]);
             warp_arrive(full + s);
         }
     }
@@ -111,20 +119,20 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
     const int kt_begin = split0 * ktiles_per_split, kt_end = min(split1 * ktiles_per_split, ktiles_total);
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
-            mbar_init(full + s, PRODUCERS);
+            mbar_init(full + s, WS_TILES);
             mbar_init(empty + s, CONSUMERS);
         }
     }
     __syncthreads();
 
     if (warp < PRODUCERS) {
-        produce(ring, full, empty, words, tiles_n, blockIdx.x * WS_TILES + warp, kt_begin, kt_end, warp);
+        produce(ring, full, empty, words, tiles_n, blockIdx.x * WS_TILES + warp % WS_TILES, kt_begin, kt_end, warp);
     } else {
         const int c = warp - PRODUCERS, mg = c & 3, ng = c >> 2, ct = threadIdx.x - PRODUCERS * 32;
         const int my_rows = block_rows - 32 * mg, mtiles = min(2, max(0, (my_rows + 15) / 16));
-        const int jt0 = blockIdx.x * WS_TILES + 4 * ng;
+        const int jt0 = blockIdx.x * WS_TILES + CONSUMER_TILES * ng;
         const u32 a_lane = smem_addr(xs + (32 * mg + (lane & 15)) * XS + (lane >> 4) * 8);
-        float acc[2][4][2][4];
+        float acc[2][CONSUMER_TILES][2][4];
         zero_acc(acc);
         stage_x(xs, x, m0, block_rows, stride_x, kt_begin, ct);
         int i = 0;
@@ -141,10 +149,11 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
                 for (int s = 0; s < CHUNK; s++, i++) {
                     const int st = i % STAGES;
                     mbar_wait(full + st, (i / STAGES) & 1);
-                    u32 b[4][4];
+                    u32 b[CONSUMER_TILES][4];
 #pragma unroll
-                    for (int t = 0; t < 4; t++) {
-                        const uint4 q = *reinterpret_cast<const uint4*>(ring + st * STAGE_U32 + (4 * ng + t) * 128 + lane * 4);
+                    for (int t = 0; t < CONSUMER_TILES; t++) {
+                        const uint4 q = *reinterpret_cast<const uint4*>(ring + st * STAGE_U32 +
+                                                                        (CONSUMER_TILES * ng + t) * 128 + lane * 4);
                         b[t][0] = q.x; b[t][1] = q.y; b[t][2] = q.z; b[t][3] = q.w;
                     }
 #pragma unroll
@@ -153,7 +162,7 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
                             u32 a[4];
                             ldmatrix_x4(a, a_lane + (buf * XS_HALVES + mt * 16 * XS + s * 16) * 2);
 #pragma unroll
-                            for (int t = 0; t < 4; t++) {
+                            for (int t = 0; t < CONSUMER_TILES; t++) {
                                 mma16816(acc[mt][t][0], a, b[t][0], b[t][1]);
                                 mma16816(acc[mt][t][1], a, b[t][2], b[t][3]);
                             }
@@ -167,6 +176,7 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
         }
     }
     if (!last_arrival(counters + blockIdx.z * (n / 128) + blockIdx.x, gridDim.y)) return;
-    reduce_group<8>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, blockIdx.x * 128, stride_out, splits,
-                    PRODUCERS + CONSUMERS);
+    constexpr int WARPS_ALL = PRODUCERS + CONSUMERS;
+    reduce_group<WS_ROWS / WARPS_ALL>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, blockIdx.x * 128,
+                                      stride_out, splits, WARPS_ALL);
 }
