@@ -29,7 +29,8 @@ def main(args):
         for rows in args.rows:
             x = (torch.randn(rows, k, device="cuda", generator=g) * 0.1).half()
             out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
-            line = f"{shape} K{args.K} {args.codebook} rows {rows:3d}: mma {timed(ws, x, out, {'EXL3MOE_WS': '0'}):6.1f}"
+            mma = timed(ws, x, out, {'EXL3MOE_WS': '0'}) if not args.skip_mma else float("nan")
+            line = f"{shape} K{args.K} {args.codebook} rows {rows:3d}: mma {mma:6.1f}"
             ref = out.clone()
             for spb in args.spb:
                 us = timed(ws, x, out, {"EXL3MOE_WS": "1", "EXL3MOE_WS_SPB": str(spb), "EXL3MOE_WS_MIN_ROWS": "1"})
@@ -45,4 +46,5 @@ if __name__ == "__main__":
     ap.add_argument("--codebook", default="mcg")
     ap.add_argument("--rows", nargs="+", type=int, default=[65, 128])
     ap.add_argument("--spb", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--skip-mma", action="store_true")
     main(ap.parse_args())

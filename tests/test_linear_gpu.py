@@ -101,6 +101,7 @@ def test_cuda_dense_decode_is_bit_exact(K, codebook):
 
 
 @pytest.mark.parametrize("k,n,spb,dtype", [(4096, 1408, "", torch.float16), (4096, 1408, "3", torch.float32),
+                                           (4096, 1408, "99", torch.float16), (2048, 768, "99", torch.float32),
                                            (2048, 768, "5", torch.bfloat16)])
 def test_warp_specialized_kernel_gives_trellis_mma_bytes(k, n, spb, dtype, monkeypatch):
     from exl3moe.kernels.trellis_mma import uses_ws

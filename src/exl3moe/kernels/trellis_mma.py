@@ -130,7 +130,7 @@ def counter_count(n: int, max_rows: int) -> int:
 OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 WS_STAGES = 8  # ring depth (k-tiles) of trellis_ws
-WS_SHARED_BYTES = WS_STAGES * 8 * 32 * 16 + 2 * 128 * 136 * 2 + 2 * WS_STAGES * 8  # ring, two x chunks, barriers
+WS_SHARED_BYTES = WS_STAGES * 8 * 32 * 16 + 2 * 128 * 136 * 2 + 128 * 128 * 4 + 2 * WS_STAGES * 8  # ring, x, sum
 
 
 WS_MIN_ROWS = 65  # calls from this many rows (when x comes rotated) run on trellis_ws
@@ -151,7 +151,8 @@ def ws_wide() -> int:
 
 def ws_kernel(K: float, codebook: str, device: torch.device):
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH), ("STAGES", WS_STAGES),
-               ("PAIR_SCALAR", 2), ("WS_WIDE", ws_wide()))
+               ("PAIR_SCALAR", 2), ("WS_WIDE", ws_wide())) + ((("WS_DIAG", int(os.environ["EXL3MOE_WS_DIAG"])),)
+                                                              if os.environ.get("EXL3MOE_WS_DIAG") else ())
     return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0)
 
 

@@ -303,12 +303,12 @@ __device__ __forceinline__ void scale_acc(float (&acc)[MT_][NT_][2][4], float f)
     each_acc(acc, [f](float a) { return a * f; });
 }
 
-// The last block of a (row block, 128 columns) group: out[m0 + r, group_col + j] = Hn(sum over splits of part)
-// * svh + bias for rows r < block_rows, R rows per warp at a time so that their split loads are in flight together.
-template <int R>
-__device__ __forceinline__ void reduce_group(const float* part, const unsigned short* svh, const unsigned short* bias,
-                                             void* out, int out_dtype, int rows, int n, int m0, int block_rows,
-                                             int group_col, int stride_out, int splits, int warps) {
+// out[m0 + r, group_col + j] = Hn(v) * svh + bias for rows r < block_rows of a 128-column group, where sum(v, r)
+// adds row r's fp32 sums into v (zeroed; elements 4 lane + j); R rows per warp at a time.
+template <int R, class Sum>
+__device__ __forceinline__ void finish_group(Sum&& sum, const unsigned short* svh, const unsigned short* bias,
+                                             void* out, int out_dtype, int m0, int block_rows, int group_col,
+                                             int stride_out, int warps) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int c = group_col + 4 * lane;
     float sv[4], bv[4];
@@ -325,7 +325,7 @@ __device__ __forceinline__ void reduce_group(const float* part, const unsigned s
             for (int j = 0; j < 4; j++) v[i][j] = 0.f;
 #pragma unroll
         for (int i = 0; i < R; i++)
-            if (r0 + i < block_rows) add_splits(v[i], part + (size_t)(m0 + r0 + i) * n + c, (size_t)rows * n, splits);
+            if (r0 + i < block_rows) sum(v[i], r0 + i);
 #pragma unroll
         for (int i = 0; i < R; i++) {
             hadamard128_warp(v[i], lane);
@@ -341,4 +341,14 @@ __device__ __forceinline__ void reduce_group(const float* part, const unsigned s
             }
         }
     }
+}
+
+// The last block of a (row block, 128 columns) group: finish_group over the sum of the splits of part, in order.
+template <int R>
+__device__ __forceinline__ void reduce_group(const float* part, const unsigned short* svh, const unsigned short* bias,
+                                             void* out, int out_dtype, int rows, int n, int m0, int block_rows,
+                                             int group_col, int stride_out, int splits, int warps) {
+    const int c = group_col + 4 * (threadIdx.x & 31);
+    auto sum = [&](float (&v)[4], int r) { add_splits(v, part + (size_t)(m0 + r) * n + c, (size_t)rows * n, splits); };
+    finish_group<R>(sum, svh, bias, out, out_dtype, m0, block_rows, group_col, stride_out, warps);
 }

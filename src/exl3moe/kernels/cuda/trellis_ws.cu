@@ -6,6 +6,9 @@
 // PF (k-tiles of words prefetched per producer), STAGES (ring depth in k-tiles), PAIR_SCALAR, WS_WIDE.
 #include "trellis_core.cuh"
 
+#ifndef WS_DIAG
+#define WS_DIAG 0
+#endif
 #ifndef WS_WIDE
 #define WS_WIDE 1                          // 1: 16 producers, 16 consumers of 32 x 32; 0: 8 and 8 of 32 x 64
 #endif
@@ -16,6 +19,7 @@ constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
 static_assert((CHUNK / K_TURNS) % PF == 0, "a producer's k-tiles of a chunk must be whole prefetch rounds");
 constexpr int STAGE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int XS_HALVES = WS_ROWS * XS;                // one staged x chunk (128 rows x 128 inputs, row stride XS)
+constexpr int TOTAL_FLOATS = WS_ROWS * 128;            // a block running every split: the running fp32 sum
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -77,7 +81,11 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
         for (int q = 0; q < PF; q++) {
             const int j = j0 + q, i = j * K_TURNS + turn, s = i % STAGES;
             u32 b[4];
+#if WS_DIAG & 2
+            b[0] = buf[q][0]; b[1] = buf[q][1]; b[2] = buf[q][0] ^ sh; b[3] = buf[q][1] ^ sh;
+#else
             T::decode_tile(buf[q], sh, b);
+#endif
 #pragma unroll
             for (int w = 0; w < T::NW; w++) buf[q][w] = __ldg(ptr[w]);
             if (j + PF + 1 < mine) {
@@ -111,8 +119,11 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
     extern __shared__ __align__(16) unsigned char smem[];
     u32* ring = reinterpret_cast<u32*>(smem);
     unsigned short* xs = reinterpret_cast<unsigned short*>(smem + STAGES * STAGE_U32 * 4);
-    u64* full = reinterpret_cast<u64*>(smem + STAGES * STAGE_U32 * 4 + 2 * XS_HALVES * 2);
+    float* total = reinterpret_cast<float*>(smem + STAGES * STAGE_U32 * 4 + 2 * XS_HALVES * 2);
+    u64* full = reinterpret_cast<u64*>(total + TOTAL_FLOATS);
     u64* empty = full + STAGES;
+    // One block per (128 columns, 128 rows) sums the splits itself, in split order as reduce_group does.
+    const bool whole = splits_per_block >= splits;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int m0 = blockIdx.z * WS_ROWS, block_rows = min(WS_ROWS, rows - m0);
     const int split0 = blockIdx.y * splits_per_block, split1 = min(split0 + splits_per_block, splits);
@@ -158,7 +169,7 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
                     }
 #pragma unroll
                     for (int mt = 0; mt < 2; mt++) {
-                        if (mt < mtiles) {
+                        if (mt < mtiles && !(WS_DIAG & 1)) {
                             u32 a[4];
                             ldmatrix_x4(a, a_lane + (buf * XS_HALVES + mt * 16 * XS + s * 16) * 2);
 #pragma unroll
@@ -171,12 +182,40 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
                     warp_arrive(empty + st);
                 }
             }
-            if (my_rows > 0) store_partials(acc, part + ((size_t)split * rows + m0 + 32 * mg) * n, n, my_rows, jt0);
+            if (whole) {
+                // total = ((0 + p0) + p1) + ...: each thread adds its own elements, where store_partials puts them.
+                const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+                for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                    for (int nt = 0; nt < CONSUMER_TILES; nt++)
+#pragma unroll
+                        for (int h = 0; h < 2; h++)
+#pragma unroll
+                            for (int e = 0; e < 4; e++) {
+                                const int r = 32 * mg + mt * 16 + g + 8 * (e >> 1);
+                                const int col = (CONSUMER_TILES * ng + nt) * 16 + h * 8 + 2 * t4 + (e & 1);
+                                float& t = total[r * 128 + col];
+                                t = (split == split0 ? 0.f : t) + acc[mt][nt][h][e];
+                            }
+            } else if (my_rows > 0) {
+                store_partials(acc, part + ((size_t)split * rows + m0 + 32 * mg) * n, n, my_rows, jt0);
+            }
             zero_acc(acc);
         }
     }
-    if (!last_arrival(counters + blockIdx.z * (n / 128) + blockIdx.x, gridDim.y)) return;
     constexpr int WARPS_ALL = PRODUCERS + CONSUMERS;
+    if (whole) {
+        __syncthreads();
+        auto sum = [&](float (&v)[4], int r) {
+            const float4 q = *reinterpret_cast<const float4*>(total + r * 128 + 4 * lane);
+            v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
+        };
+        finish_group<WS_ROWS / WARPS_ALL>(sum, svh, bias, out, out_dtype, m0, block_rows, blockIdx.x * 128,
+                                          stride_out, WARPS_ALL);
+        return;
+    }
+    if (!last_arrival(counters + blockIdx.z * (n / 128) + blockIdx.x, gridDim.y)) return;
     reduce_group<WS_ROWS / WARPS_ALL>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, blockIdx.x * 128,
                                       stride_out, splits, WARPS_ALL);
 }
