@@ -29,7 +29,7 @@ def pretend_sm90() -> None:
         nvrtc.record_variant(file, {**dict(defines), **nvrtc.extra_defines()}, prelude, f"sm_90{arch_suffix}")
         return file, name
     nvrtc.kernel = kernel
-    linear_ops.uses_ws = lambda rows, device: rows >= 65
+    linear_ops.uses_ws = lambda rows, k, n, device: rows >= 64 and k * n < (1 << 24)
 
 
 @functools.lru_cache(maxsize=None)

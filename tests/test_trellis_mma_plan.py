@@ -93,3 +93,21 @@ def test_direct_route_limit_depends_on_slots_and_formats():
     assert format_count(uniform) == 1 and format_count(many) == 4
     assert direct_route(16, 16, 1) and not direct_route(24, 16, 1) and not direct_route(16, 32, 1)
     assert direct_route(8, 16, 4) and not direct_route(16, 16, 4)
+
+
+def test_warp_specialized_kernel_takes_small_weights_from_64_rows(monkeypatch):
+    from exl3moe.kernels import trellis_mma as tm
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert tm.uses_ws(64, 4096, 1408, cuda) and tm.uses_ws(128, 2048, 768, cuda)
+    assert not tm.uses_ws(63, 4096, 1408, cuda), "fewer rows stay on trellis_mma"
+    assert not tm.uses_ws(128, 4096, 14336, cuda), "large weights stay on trellis_mma"
+    assert not tm.uses_ws(128, 2048, 768, torch.device("cpu"))
+    monkeypatch.setenv("EXL3MOE_WS", "all")
+    assert tm.uses_ws(128, 4096, 14336, cuda)
+    monkeypatch.setenv("EXL3MOE_WS", "0")
+    assert not tm.uses_ws(128, 2048, 768, cuda)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setenv("EXL3MOE_WS", "1")
+    assert not tm.uses_ws(128, 2048, 768, cuda), "mbarrier try_wait needs sm_90"

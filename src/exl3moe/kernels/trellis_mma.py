@@ -133,14 +133,16 @@ WS_STAGES = 8  # ring depth (k-tiles) of trellis_ws
 WS_SHARED_BYTES = WS_STAGES * 8 * 32 * 16 + 2 * 128 * 136 * 2 + 128 * 128 * 4 + 2 * WS_STAGES * 8  # ring, x, sum
 
 
-WS_MIN_ROWS = 65  # calls from this many rows (when x comes rotated) run on trellis_ws
+WS_MIN_ROWS = 64  # calls from this many rows (when x comes rotated) on weights under SMALL_WEIGHT run on trellis_ws
 
 
-def uses_ws(rows: int, device: torch.device) -> bool:
+def uses_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
     """Whether a call of `rows` (<= 128) pre-rotated rows runs on the warp-specialized kernel (sm_90 and newer;
-    EXL3MOE_WS=0 keeps trellis_mma, EXL3MOE_WS_MIN_ROWS moves the threshold); both give the same bytes."""
+    EXL3MOE_WS=0 keeps trellis_mma, EXL3MOE_WS=all takes every weight size, EXL3MOE_WS_MIN_ROWS moves the row
+    threshold). Both kernels give the same bytes, so the choice may depend on anything."""
+    mode = os.environ.get("EXL3MOE_WS", "1")
     min_rows = int(os.environ.get("EXL3MOE_WS_MIN_ROWS") or WS_MIN_ROWS)
-    return (rows >= min_rows and device.type == "cuda" and os.environ.get("EXL3MOE_WS", "1") == "1"
+    return (mode != "0" and rows >= min_rows and (k * n < SMALL_WEIGHT or mode == "all") and device.type == "cuda"
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
@@ -151,8 +153,7 @@ def ws_wide() -> int:
 
 def ws_kernel(K: float, codebook: str, device: torch.device):
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH), ("STAGES", WS_STAGES),
-               ("PAIR_SCALAR", 2), ("WS_WIDE", ws_wide())) + ((("WS_DIAG", int(os.environ["EXL3MOE_WS_DIAG"])),)
-                                                              if os.environ.get("EXL3MOE_WS_DIAG") else ())
+               ("PAIR_SCALAR", 2), ("WS_WIDE", ws_wide()))
     return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0)
 
 
@@ -190,7 +191,8 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     tiles_n = w.trellis.shape[1]
     planned_mt, fuse_in = variant_for(rows, k, tiles_n * 16)
     mt = mt or planned_mt
-    if uses_ws(rows, x.device) and not fuse_in and mt == planned_mt and prefetch == PREFETCH and nt is None:
+    planned = mt == planned_mt and prefetch == PREFETCH and nt is None
+    if planned and not fuse_in and uses_ws(rows, k, tiles_n * 16, x.device):
         _launch_ws(x, w, partials, counters, out, tiles)
         return out
     func, nt = mma_kernel(w.K, w.codebook, mt, x.device, fuse_in, prefetch, nt)

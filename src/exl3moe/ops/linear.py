@@ -124,7 +124,7 @@ class LinearPlan:
             fused_rows = range(1, min(max_rows, MAX_FUSED_ROWS) + 1)
             for mt, fuse_in in {variant_for(rows, k, n) for rows in fused_rows}:
                 mma_kernel(w.K, w.codebook, mt, w.device, fuse_in)
-            if any(uses_ws(rows, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
+            if any(uses_ws(rows, k, n, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
                 ws_kernel(w.K, w.codebook, w.device)
             if not fuses_rotation(max_rows, k, n):
                 rotate_kernel(w.device)

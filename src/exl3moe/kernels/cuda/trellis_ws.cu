@@ -6,9 +6,6 @@
 // PF (k-tiles of words prefetched per producer), STAGES (ring depth in k-tiles), PAIR_SCALAR, WS_WIDE.
 #include "trellis_core.cuh"
 
-#ifndef WS_DIAG
-#define WS_DIAG 0
-#endif
 #ifndef WS_WIDE
 #define WS_WIDE 1                          // 1: 16 producers, 16 consumers of 32 x 32; 0: 8 and 8 of 32 x 64
 #endif
@@ -81,11 +78,7 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
         for (int q = 0; q < PF; q++) {
             const int j = j0 + q, i = j * K_TURNS + turn, s = i % STAGES;
             u32 b[4];
-#if WS_DIAG & 2
-            b[0] = buf[q][0]; b[1] = buf[q][1]; b[2] = buf[q][0] ^ sh; b[3] = buf[q][1] ^ sh;
-#else
             T::decode_tile(buf[q], sh, b);
-#endif
 #pragma unroll
             for (int w = 0; w < T::NW; w++) buf[q][w] = __ldg(ptr[w]);
             if (j + PF + 1 < mine) {
@@ -169,7 +162,7 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
                     }
 #pragma unroll
                     for (int mt = 0; mt < 2; mt++) {
-                        if (mt < mtiles && !(WS_DIAG & 1)) {
+                        if (mt < mtiles) {
                             u32 a[4];
                             ldmatrix_x4(a, a_lane + (buf * XS_HALVES + mt * 16 * XS + s * 16) * 2);
 #pragma unroll
