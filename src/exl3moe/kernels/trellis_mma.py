@@ -129,10 +129,8 @@ def counter_count(n: int, max_rows: int) -> int:
 
 OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
-WS_STAGES = 8  # ring depth (k-tiles) of trellis_ws
+WS_STAGES, WS_THREADS = 8, 1024  # trellis_ws: ring depth (k-tiles); 16 producer and 16 consumer warps
 WS_SHARED_BYTES = WS_STAGES * 8 * 32 * 16 + 2 * 128 * 136 * 2 + 128 * 128 * 4 + 2 * WS_STAGES * 8  # ring, x, sum
-
-
 WS_MIN_ROWS = 64  # calls from this many rows (when x comes rotated) on weights under SMALL_WEIGHT run on trellis_ws
 
 
@@ -146,14 +144,9 @@ def uses_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
-def ws_wide() -> int:
-    """trellis_ws's layout: 1 (16 producer and 16 consumer warps) unless EXL3MOE_WS_WIDE=0 (8 and 8)."""
-    return int(os.environ.get("EXL3MOE_WS_WIDE") or 1)
-
-
 def ws_kernel(K: float, codebook: str, device: torch.device):
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH), ("STAGES", WS_STAGES),
-               ("PAIR_SCALAR", 2), ("WS_WIDE", ws_wide()))
+               ("PAIR_SCALAR", 2))
     return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0)
 
 
@@ -176,7 +169,7 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
     tiles_n = w.trellis.shape[1]
     spb = ws_splits_per_block(tiles.splits, tiles_n // 8, _sm_count(x.device.index or 0))
     grid = (tiles_n // 8, -(-tiles.splits // spb), -(-rows // 128))
-    nvrtc.launch(ws_kernel(w.K, w.codebook, x.device), grid, 1024 if ws_wide() else 512,
+    nvrtc.launch(ws_kernel(w.K, w.codebook, x.device), grid, WS_THREADS,
                  [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
                   tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb],
                  shared=WS_SHARED_BYTES)

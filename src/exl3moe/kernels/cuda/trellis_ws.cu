@@ -3,15 +3,12 @@
 // warps (32 rows x 16 CONSUMER_TILES columns each) run mma.sync on them with x staged by cp.async. Every output element
 // gets the same k16 products in the same order as trellis_mma at 8 m16 tiles, and the same split partials, so the
 // two kernels give the same bytes. A block runs `splits_per_block` consecutive splits. Compile-time (-D): K2, CB,
-// PF (k-tiles of words prefetched per producer), STAGES (ring depth in k-tiles), PAIR_SCALAR, WS_WIDE.
+// PF (k-tiles of words prefetched per producer), STAGES (ring depth in k-tiles), PAIR_SCALAR.
 #include "trellis_core.cuh"
 
-#ifndef WS_WIDE
-#define WS_WIDE 1                          // 1: 16 producers, 16 consumers of 32 x 32; 0: 8 and 8 of 32 x 64
-#endif
 constexpr int WS_ROWS = 128, WS_TILES = 8;
-constexpr int PRODUCERS = WS_WIDE ? 16 : 8, K_TURNS = PRODUCERS / WS_TILES;   // producers of a column take k-tiles in turn
-constexpr int CONSUMER_TILES = WS_WIDE ? 2 : 4, CONSUMERS = 4 * (WS_TILES / CONSUMER_TILES);
+constexpr int PRODUCERS = 16, K_TURNS = PRODUCERS / WS_TILES;   // the producers of a column take k-tiles in turn
+constexpr int CONSUMER_TILES = 2, CONSUMERS = 4 * (WS_TILES / CONSUMER_TILES);
 constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
 static_assert((CHUNK / K_TURNS) % PF == 0, "a producer's k-tiles of a chunk must be whole prefetch rounds");
 constexpr int STAGE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
