@@ -169,13 +169,13 @@ def extra_defines() -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str = ""):
+def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str = "", arch_suffix: str = ""):
     """The CUfunction `name` of kernels/cuda/`file` compiled with `defines` ((key, value), ...) and `prelude`
-    (source text placed first), cached."""
+    (source text placed first), cached; arch_suffix "a" targets the architecture-specific features (sm_90a)."""
     driver, _ = _bindings()
     torch.cuda.synchronize(device_index)
     major, minor = torch.cuda.get_device_capability(device_index)
-    text, options, arch = prelude + source(file), {**dict(defines), **extra_defines()}, f"sm_{major}{minor}"
+    text, options, arch = prelude + source(file), {**dict(defines), **extra_defines()}, f"sm_{major}{minor}{arch_suffix}"
     err, module = driver.cuModuleLoadData(cached_cubin(text, options, arch))
     if int(err) != 0:
         # A damaged cache entry: drop it and compile afresh.

@@ -130,24 +130,24 @@ def counter_count(n: int, max_rows: int) -> int:
 OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 WS_STAGES, WS_THREADS = 8, 1024  # trellis_ws: ring depth (k-tiles); 16 producer and 16 consumer warps
-WS_SHARED_BYTES = WS_STAGES * 8 * 32 * 16 + 2 * 128 * 136 * 2 + 128 * 128 * 4 + 2 * WS_STAGES * 8  # ring, x, sum
+WS_SHARED_BYTES = WS_STAGES * 8 * 32 * 16 + 1024 + 2 * 128 * 136 * 2 + 128 * 136 * 4 + 2 * WS_STAGES * 8  # ring, x, sum
 WS_MIN_ROWS = 64  # calls from this many rows (when x comes rotated) on weights under SMALL_WEIGHT run on trellis_ws
 
 
 def uses_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
-    """Whether a call of `rows` (<= 128) pre-rotated rows runs on the warp-specialized kernel (sm_90 and newer;
+    """Whether a call of `rows` (<= 128) pre-rotated rows runs on the warp-specialized kernel (sm_90 exactly, it uses wgmma;
     EXL3MOE_WS=0 keeps trellis_mma, EXL3MOE_WS=all takes every weight size, EXL3MOE_WS_MIN_ROWS moves the row
     threshold). Both kernels give the same bytes, so the choice may depend on anything."""
     mode = os.environ.get("EXL3MOE_WS", "1")
     min_rows = int(os.environ.get("EXL3MOE_WS_MIN_ROWS") or WS_MIN_ROWS)
     return (mode != "0" and rows >= min_rows and (k * n < SMALL_WEIGHT or mode == "all") and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) >= (9, 0))
+            and torch.cuda.get_device_capability(device) == (9, 0))
 
 
 def ws_kernel(K: float, codebook: str, device: torch.device):
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH), ("STAGES", WS_STAGES),
                ("PAIR_SCALAR", 2))
-    return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0)
+    return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0, arch_suffix="a")
 
 
 @functools.lru_cache(maxsize=None)

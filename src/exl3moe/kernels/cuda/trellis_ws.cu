@@ -6,6 +6,13 @@
 // PF (k-tiles of words prefetched per producer), STAGES (ring depth in k-tiles), PAIR_SCALAR.
 #include "trellis_core.cuh"
 
+#ifndef WS_WGMMA
+#define WS_WGMMA 1                         // consumers: 1 wgmma m64n64k16 per warpgroup (sm_90a), 0 mma.sync
+#endif
+#ifndef WS_POLL
+#define WS_POLL 0                          // 1: poll the ring barriers without the sleep hint (experiments)
+#endif
+
 constexpr int WS_ROWS = 128, WS_TILES = 8;
 constexpr int PRODUCERS = 16, K_TURNS = PRODUCERS / WS_TILES;   // the producers of a column take k-tiles in turn
 constexpr int CONSUMER_TILES = 2, CONSUMERS = 4 * (WS_TILES / CONSUMER_TILES);
@@ -13,7 +20,9 @@ constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
 static_assert((CHUNK / K_TURNS) % PF == 0, "a producer's k-tiles of a chunk must be whole prefetch rounds");
 constexpr int STAGE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int XS_HALVES = WS_ROWS * XS;                // one staged x chunk (128 rows x 128 inputs, row stride XS)
-constexpr int TOTAL_FLOATS = WS_ROWS * 128;            // a block running every split: the running fp32 sum
+constexpr u32 XS_BYTES = XS_HALVES * 2;
+constexpr int TOTAL_STRIDE = 136;                     // row stride of the running sum: conflict-free float2 access
+constexpr int TOTAL_FLOATS = WS_ROWS * TOTAL_STRIDE;   // a block running every split: the running fp32 sum
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -32,16 +41,22 @@ __device__ __forceinline__ void warp_arrive(u64* bar) {
 // Returns once the phase of parity `parity` of *bar has completed.
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     u32 done;
-    do {
+    do {  // the time hint lets the warp sleep until the phase completes instead of polling
+#if WS_POLL
         asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
                      : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+#else
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 0x989680; "
+                     "selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+#endif
     } while (!done);
 }
 
-// 16 bytes from src to shared dst, or zeros when !valid (src is then not read).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(dst)), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
+// Consumers' arrival: their stage reads were consumed by the warp's mma.sync (all lanes) before this point.
+__device__ __forceinline__ void lane0_arrive(u64* bar) {
+    if ((threadIdx.x & 31) == 0)
+        asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(smem_addr(bar))
+                     : "memory");
 }
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
@@ -73,7 +88,8 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
     for (int j0 = 0; j0 < mine; j0 += PF) {
 #pragma unroll
         for (int q = 0; q < PF; q++) {
-            const int j = j0 + q, i = j * K_TURNS + turn, s = i % STAGES;
+            const int j = j0 + q;
+            const u32 i = j * K_TURNS + turn, s = i % STAGES;
             u32 b[4];
             T::decode_tile(buf[q], sh, b);
 #pragma unroll
@@ -83,23 +99,91 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
                 for (int w = 0; w < T::NW; w++) ptr[w] += k_stride;
             }
             mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
+#if WS_WGMMA
+            // Fragment b[f] of every lane is one 8 x 8 core matrix (n-octet 2 jt + f / 2, k-octet f % 2), 128 bytes.
+            u32* dst = ring + s * STAGE_U32 + (p % WS_TILES) * 128 + lane;
+#pragma unroll
+            for (int f = 0; f < 4; f++) dst[32 * f] = b[f];
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
+#else
             *reinterpret_cast<uint4*>(ring + s * STAGE_U32 + (p % WS_TILES) * 128 + lane * 4) =
                 make_uint4(b[0], b[1], b[2], b[3]);
+#endif
             warp_arrive(full + s);
         }
     }
 }
 
-// Consumer threads stage x rows [m0, m0 + 128) of chunk c0 (128 inputs) into xs; rows past block_rows read as 0.
-__device__ __forceinline__ void stage_x(unsigned short* xs, const unsigned short* __restrict__ x, int m0,
-                                       int block_rows, int stride_x, int c0, int ct) {
-    for (int v = ct; v < WS_ROWS * 16; v += CONSUMERS * 32) {
-        const int r = v >> 4, c = (v & 15) * 8;
-        const bool valid = r < block_rows;
-        cp_async16(xs + r * XS + c, x + (size_t)(m0 + (valid ? r : 0)) * stride_x + c0 * 16 + c, valid);
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
+#if WS_WGMMA
+// Byte offset of (row, 16-byte piece p of its 128 inputs) in a staged chunk for wgmma's 128-byte swizzle: two
+// halves of 64 inputs, each 128 rows of 128 bytes whose pieces are permuted by row % 8 (1024-byte aligned).
+__device__ __forceinline__ u32 x_swizzled_offset(int row, int p) {
+    return (p >> 3) * (WS_ROWS * 128) + row * 128 + (((p & 7) ^ (row & 7)) << 4);
 }
+constexpr u32 ROWS32_BYTES = 32 * 128;                 // 32 rows further in the staged chunk
+#else
+constexpr u32 ROWS32_BYTES = 32 * XS * 2;
+#endif
+
+// Consumer thread ct's part of staging x: rows first_row + 32 i (i < 4) of the block, 8 inputs from column col.
+struct XStager {
+    const unsigned short* src;   // x row m0 + first_row, column col
+    u32 dst, row_step;           // shared address of (first_row, col) in a chunk buffer; 32 rows of x, in bytes
+    int live;                    // rows first_row + 32 i with i < live exist
+
+    __device__ XStager(const unsigned short* x, unsigned short* xs, int m0, int block_rows, int stride_x, int ct) {
+        const int first_row = ct >> 4, col = (ct & 15) * 8;
+#if WS_WGMMA
+        dst = smem_addr(xs) + x_swizzled_offset(first_row, ct & 15);   // eight threads fill one 128-byte row
+#else
+        dst = smem_addr(xs + first_row * XS + col);
+#endif
+        src = x + (size_t)(m0 + (first_row < block_rows ? first_row : 0)) * stride_x + col;
+        row_step = 32u * stride_x * 2u;
+        live = (block_rows - first_row + 31) / 32;
+    }
+
+    // Chunk c0 (128 inputs from k-tile c0) into buffer buf; rows past the block read as 0.
+    __device__ __forceinline__ void stage(int c0, int buf) const {
+        const char* p = reinterpret_cast<const char*>(src + c0 * 16);
+        const u32 d = dst + buf * XS_BYTES;
+#pragma unroll
+        for (int i = 0; i < WS_ROWS / 32; i++)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d + i * ROWS32_BYTES),
+                         "l"(p + (i < live ? i * row_step : 0)), "r"(i < live ? 16 : 0) : "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+};
+
+#if WS_WGMMA
+// wgmma shared-memory descriptors (low word: start address, leading offset; high word: stride offset, layout).
+// Ring stages: K-major core matrices without swizzle, k-octets 128 bytes apart, column octets 256 bytes apart.
+__device__ __forceinline__ u32 ring_descriptor(u32 addr) { return ((addr >> 4) & 0x3FFF) | ((128 >> 4) << 16); }
+constexpr u32 RING_DESC_HI = 256 >> 4;
+// Staged x: 128-byte swizzle, row octets 1024 bytes apart.
+__device__ __forceinline__ u32 x_descriptor(u32 addr) { return ((addr >> 4) & 0x3FFF) | (1u << 16); }
+constexpr u32 X_DESC_HI = (1024 >> 4) | (1u << 30);
+
+// d += A (k16 of 64 x rows at desc_a) x B (k16 x n64 at desc_b), one wgmma with both operands in shared memory.
+__device__ __forceinline__ void wgmma_64x64(float (&d)[1][4][2][4], u32 desc_a, u32 desc_b) {
+    float* v = &d[0][0][0][0];
+    u64 a, b;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(a) : "r"(desc_a), "r"(X_DESC_HI));
+    asm("mov.b64 %0, {%1, %2};" : "=l"(b) : "r"(desc_b), "r"(RING_DESC_HI));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
+                 "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "
+                 "%31}, %32, %33, 1, 1, 1, 0, 0;"
+                 : "+f"(v[0]), "+f"(v[1]), "+f"(v[2]), "+f"(v[3]), "+f"(v[4]), "+f"(v[5]), "+f"(v[6]), "+f"(v[7]),
+                   "+f"(v[8]), "+f"(v[9]), "+f"(v[10]), "+f"(v[11]), "+f"(v[12]), "+f"(v[13]), "+f"(v[14]),
+                   "+f"(v[15]), "+f"(v[16]), "+f"(v[17]), "+f"(v[18]), "+f"(v[19]), "+f"(v[20]), "+f"(v[21]),
+                   "+f"(v[22]), "+f"(v[23]), "+f"(v[24]), "+f"(v[25]), "+f"(v[26]), "+f"(v[27]), "+f"(v[28]),
+                   "+f"(v[29]), "+f"(v[30]), "+f"(v[31])
+                 : "l"(a), "l"(b));
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+#endif
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, float* __restrict__ part,
@@ -108,8 +192,10 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
            int ktiles_per_split, int stride_x, int stride_out, int splits, int splits_per_block) {
     extern __shared__ __align__(16) unsigned char smem[];
     u32* ring = reinterpret_cast<u32*>(smem);
-    unsigned short* xs = reinterpret_cast<unsigned short*>(smem + STAGES * STAGE_U32 * 4);
-    float* total = reinterpret_cast<float*>(smem + STAGES * STAGE_U32 * 4 + 2 * XS_HALVES * 2);
+    unsigned char* xs_at = smem + STAGES * STAGE_U32 * 4;
+    xs_at += (1024 - (smem_addr(xs_at) & 1023)) & 1023;   // swizzle atoms start 1024-byte aligned
+    unsigned short* xs = reinterpret_cast<unsigned short*>(xs_at);
+    float* total = reinterpret_cast<float*>(xs_at + 2 * XS_BYTES);
     u64* full = reinterpret_cast<u64*>(total + TOTAL_FLOATS);
     u64* empty = full + STAGES;
     // One block per (128 columns, 128 rows) sums the splits itself, in split order as reduce_group does.
@@ -129,47 +215,111 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
     if (warp < PRODUCERS) {
         produce(ring, full, empty, words, tiles_n, blockIdx.x * WS_TILES + warp % WS_TILES, kt_begin, kt_end, warp);
     } else {
+#if WS_WGMMA
+        // Consumer warpgroup c: block rows 64 (c & 1) + [0, 64), columns 64 (c >> 1) + [0, 64); warp w: 16 of the rows.
+        const int c = (warp - PRODUCERS) >> 2, row0 = 64 * (c & 1) + 16 * (warp & 3), ct = threadIdx.x - PRODUCERS * 32;
+        const int my_rows = block_rows - row0;
+        const int jt0 = blockIdx.x * WS_TILES + 4 * (c >> 1);
+        const u32 desc_x = x_descriptor(smem_addr(xs) + 64 * (c & 1) * 128);
+        const u32 desc_w = ring_descriptor(smem_addr(ring + (c >> 1) * 4 * 128));
+        float acc[1][4][2][4];
+        zero_acc(acc);
+        const XStager stager(x, xs, m0, block_rows, stride_x, ct);
+        stager.stage(kt_begin, 0);
+        u32 st = 0, phase = 0, held = 0;   // ring stage of the next k-tile, its phase parity, the stage in use
+        for (int split = split0; split < split1; split++) {
+            const int kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, ktiles_total);
+            bool holding = false;
+            for (int c0 = kt0; c0 < kt1; c0 += CHUNK) {
+                const int buf = ((c0 - kt_begin) / CHUNK) & 1;
+                wgmma_wait<0>();   // the tensor cores are done reading the other buffer
+                asm volatile("cp.async.wait_group 0;" ::: "memory");            // this chunk's rows landed
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores
+                consumers_sync();  // every consumer's rows are in xs[buf], and none reads xs[buf ^ 1]
+                if (c0 + CHUNK < kt_end) stager.stage(c0 + CHUNK, buf ^ 1);
+#pragma unroll
+                for (int s = 0; s < CHUNK; s++) {
+                    mbar_wait(full + st, phase);
+                    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                    wgmma_64x64(acc, desc_x + ((buf * XS_BYTES + (s >> 2) * WS_ROWS * 128 + (s & 3) * 32) >> 4),
+                                desc_w + ((st * STAGE_U32 * 4) >> 4));
+                    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                    wgmma_wait<1>();   // the previous k-tile's wgmma is done with its stage
+                    if (holding) lane0_arrive(empty + held);
+                    held = st;
+                    holding = true;
+                    if (++st == STAGES) {
+                        st = 0;
+                        phase ^= 1;
+                    }
+                }
+            }
+            wgmma_wait<0>();
+            if (holding) lane0_arrive(empty + held);
+            if (whole) {
+                // total = ((0 + p0) + p1) + ...: each thread adds its own elements, where store_partials puts them.
+                const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+                for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++)
+#pragma unroll
+                        for (int half = 0; half < 2; half++) {
+                            const int r = row0 + g + 8 * half, col = (4 * (c >> 1) + nt) * 16 + h * 8 + 2 * t4;
+                            float2& t = *reinterpret_cast<float2*>(total + r * TOTAL_STRIDE + col);
+                            const float2 before = split == split0 ? make_float2(0.f, 0.f) : t;
+                            t = make_float2(before.x + acc[0][nt][h][2 * half], before.y + acc[0][nt][h][2 * half + 1]);
+                        }
+            } else if (my_rows > 0) {
+                store_partials(acc, part + ((size_t)split * rows + m0 + row0) * n, n, min(my_rows, 16), jt0);
+            }
+            zero_acc(acc);
+        }
+#else
         const int c = warp - PRODUCERS, mg = c & 3, ng = c >> 2, ct = threadIdx.x - PRODUCERS * 32;
-        const int my_rows = block_rows - 32 * mg, mtiles = min(2, max(0, (my_rows + 15) / 16));
+        const int my_rows = block_rows - 32 * mg;
         const int jt0 = blockIdx.x * WS_TILES + CONSUMER_TILES * ng;
         const u32 a_lane = smem_addr(xs + (32 * mg + (lane & 15)) * XS + (lane >> 4) * 8);
+        const u32 b_lane = smem_addr(ring + CONSUMER_TILES * ng * 128 + lane * 4);
         float acc[2][CONSUMER_TILES][2][4];
         zero_acc(acc);
-        stage_x(xs, x, m0, block_rows, stride_x, kt_begin, ct);
-        int i = 0;
+        const XStager stager(x, xs, m0, block_rows, stride_x, ct);
+        stager.stage(kt_begin, 0);
+        u32 st = 0, phase = 0;   // ring stage of the next k-tile and its phase parity
         for (int split = split0; split < split1; split++) {
             const int kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, ktiles_total);
             for (int c0 = kt0; c0 < kt1; c0 += CHUNK) {
                 const int buf = ((c0 - kt_begin) / CHUNK) & 1;
                 consumers_sync();  // every consumer is done with the other buffer's chunk
-                if (c0 + CHUNK < kt_end) stage_x(xs + (buf ^ 1) * XS_HALVES, x, m0, block_rows, stride_x, c0 + CHUNK, ct);
+                if (c0 + CHUNK < kt_end) stager.stage(c0 + CHUNK, buf ^ 1);
                 else asm volatile("cp.async.commit_group;" ::: "memory");
                 asm volatile("cp.async.wait_group 1;" ::: "memory");
                 consumers_sync();  // this chunk's rows are in xs[buf]
+                const u32 a_chunk = a_lane + buf * XS_HALVES * 2;
 #pragma unroll 2
-                for (int s = 0; s < CHUNK; s++, i++) {
-                    const int st = i % STAGES;
-                    mbar_wait(full + st, (i / STAGES) & 1);
-                    u32 b[CONSUMER_TILES][4];
+                for (int s = 0; s < CHUNK; s++) {
+                    // Both m16 tiles always: rows past the block are staged as zeros and never stored.
+                    u32 a[2][4], b[CONSUMER_TILES][4];   // x fragments first: they do not wait for the ring
+                    ldmatrix_x4(a[0], a_chunk + s * 32);
+                    ldmatrix_x4(a[1], a_chunk + (16 * XS + s * 16) * 2);
+                    mbar_wait(full + st, phase);
 #pragma unroll
-                    for (int t = 0; t < CONSUMER_TILES; t++) {
-                        const uint4 q = *reinterpret_cast<const uint4*>(ring + st * STAGE_U32 +
-                                                                        (CONSUMER_TILES * ng + t) * 128 + lane * 4);
-                        b[t][0] = q.x; b[t][1] = q.y; b[t][2] = q.z; b[t][3] = q.w;
-                    }
+                    for (int t = 0; t < CONSUMER_TILES; t++)
+                        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                                     : "=r"(b[t][0]), "=r"(b[t][1]), "=r"(b[t][2]), "=r"(b[t][3])
+                                     : "r"(b_lane + st * STAGE_U32 * 4 + t * 512));
 #pragma unroll
-                    for (int mt = 0; mt < 2; mt++) {
-                        if (mt < mtiles) {
-                            u32 a[4];
-                            ldmatrix_x4(a, a_lane + (buf * XS_HALVES + mt * 16 * XS + s * 16) * 2);
+                    for (int mt = 0; mt < 2; mt++)
 #pragma unroll
-                            for (int t = 0; t < CONSUMER_TILES; t++) {
-                                mma16816(acc[mt][t][0], a, b[t][0], b[t][1]);
-                                mma16816(acc[mt][t][1], a, b[t][2], b[t][3]);
-                            }
+                        for (int t = 0; t < CONSUMER_TILES; t++) {
+                            mma16816(acc[mt][t][0], a[mt], b[t][0], b[t][1]);
+                            mma16816(acc[mt][t][1], a[mt], b[t][2], b[t][3]);
                         }
+                    lane0_arrive(empty + st);
+                    if (++st == STAGES) {
+                        st = 0;
+                        phase ^= 1;
                     }
-                    warp_arrive(empty + st);
                 }
             }
             if (whole) {
@@ -182,23 +332,26 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
 #pragma unroll
                         for (int h = 0; h < 2; h++)
 #pragma unroll
-                            for (int e = 0; e < 4; e++) {
-                                const int r = 32 * mg + mt * 16 + g + 8 * (e >> 1);
-                                const int col = (CONSUMER_TILES * ng + nt) * 16 + h * 8 + 2 * t4 + (e & 1);
-                                float& t = total[r * 128 + col];
-                                t = (split == split0 ? 0.f : t) + acc[mt][nt][h][e];
+                            for (int half = 0; half < 2; half++) {
+                                const int r = 32 * mg + mt * 16 + g + 8 * half;
+                                const int col = (CONSUMER_TILES * ng + nt) * 16 + h * 8 + 2 * t4;
+                                float2& t = *reinterpret_cast<float2*>(total + r * TOTAL_STRIDE + col);
+                                const float2 before = split == split0 ? make_float2(0.f, 0.f) : t;
+                                t = make_float2(before.x + acc[mt][nt][h][2 * half],
+                                                before.y + acc[mt][nt][h][2 * half + 1]);
                             }
             } else if (my_rows > 0) {
                 store_partials(acc, part + ((size_t)split * rows + m0 + 32 * mg) * n, n, my_rows, jt0);
             }
             zero_acc(acc);
         }
+#endif
     }
     constexpr int WARPS_ALL = PRODUCERS + CONSUMERS;
     if (whole) {
         __syncthreads();
         auto sum = [&](float (&v)[4], int r) {
-            const float4 q = *reinterpret_cast<const float4*>(total + r * 128 + 4 * lane);
+            const float4 q = *reinterpret_cast<const float4*>(total + r * TOTAL_STRIDE + 4 * lane);
             v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
         };
         finish_group<WS_ROWS / WARPS_ALL>(sum, svh, bias, out, out_dtype, m0, block_rows, blockIdx.x * 128,
