@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Per-instruction stall samples (Nsight Compute source counters) of one linear kernel on the H200.
 # Usage (device machine): bash scripts/ncu_source.sh ROWS KERNEL_REGEX [K N]  -> $OUT/source_<kernel>.csv, top lines printed
-# Environment passes through (e.g. EXL3MOE_WS=all to put a large weight on trellis_ws).
+# Environment passes through (e.g. EXL3MOE_WS=0 for trellis_mma at 64-128 rows).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src

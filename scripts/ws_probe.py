@@ -33,7 +33,7 @@ def main(args):
             line = f"{shape} K{args.K} {args.codebook} rows {rows:3d}: mma {mma:6.1f}"
             ref = out.clone()
             for spb in args.spb:
-                us = timed(ws, x, out, {"EXL3MOE_WS": "all", "EXL3MOE_WS_SPB": str(spb), "EXL3MOE_WS_MIN_ROWS": "1"})
+                us = timed(ws, x, out, {"EXL3MOE_WS": "1", "EXL3MOE_WS_SPB": str(spb), "EXL3MOE_WS_MIN_ROWS": "1"})
                 same = torch.equal(out.view(torch.int16), ref.view(torch.int16))
                 line += f" | ws spb{spb or 'auto'} {us:6.1f}{'' if same else ' BYTES DIFFER'}"
             print(line.replace(" BYTES DIFFER", "") if args.skip_mma else line, flush=True)

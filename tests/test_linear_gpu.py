@@ -102,11 +102,12 @@ def test_cuda_dense_decode_is_bit_exact(K, codebook):
 
 @pytest.mark.parametrize("k,n,spb,dtype", [(4096, 1408, "", torch.float16), (4096, 1408, "3", torch.float32),
                                            (4096, 1408, "99", torch.float16), (2048, 768, "99", torch.float32),
-                                           (2048, 768, "5", torch.bfloat16)])
+                                           (2048, 768, "5", torch.bfloat16), (4096, 14336, "", torch.float16),
+                                           (14336, 4096, "", torch.bfloat16)])
 def test_warp_specialized_kernel_gives_trellis_mma_bytes(k, n, spb, dtype, monkeypatch):
     from exl3moe.kernels.trellis_mma import uses_ws
 
-    assert uses_ws(64, k, n, torch.device("cuda")), "the H200 runs 64-128 rows of these weights on trellis_ws"
+    assert uses_ws(128, k, n, torch.device("cuda")), "the H200 runs 128 rows of every weight on trellis_ws"
     w = make_weight(k, n, 4, "mcg", seed=7)
     x = torch.randn(128, k, device="cuda").half()
     monkeypatch.setenv("EXL3MOE_WS", "0")

@@ -95,19 +95,19 @@ def test_direct_route_limit_depends_on_slots_and_formats():
     assert direct_route(8, 16, 4) and not direct_route(16, 16, 4)
 
 
-def test_warp_specialized_kernel_takes_small_weights_from_64_rows(monkeypatch):
+def test_warp_specialized_kernel_takes_every_weight_from_the_row_threshold(monkeypatch):
     from exl3moe.kernels import trellis_mma as tm
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert tm.uses_ws(64, 4096, 1408, cuda) and tm.uses_ws(128, 2048, 768, cuda)
-    assert not tm.uses_ws(63, 4096, 1408, cuda), "fewer rows stay on trellis_mma"
-    assert not tm.uses_ws(128, 4096, 14336, cuda), "large weights stay on trellis_mma"
+    rows, large = tm.WS_MIN_ROWS, tm.WS_MIN_ROWS_LARGE
+    assert tm.uses_ws(rows, 4096, 1408, cuda) and tm.uses_ws(128, 2048, 768, cuda) and tm.uses_ws(large, 4096, 14336, cuda)
+    assert not tm.uses_ws(rows - 1, 4096, 1408, cuda), "fewer rows stay on trellis_mma"
+    assert not tm.uses_ws(large - 1, 14336, 4096, cuda), "large weights from more rows"
     assert not tm.uses_ws(128, 2048, 768, torch.device("cpu"))
-    monkeypatch.setenv("EXL3MOE_WS", "all")
-    assert tm.uses_ws(128, 4096, 14336, cuda)
     monkeypatch.setenv("EXL3MOE_WS", "0")
     assert not tm.uses_ws(128, 2048, 768, cuda)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     monkeypatch.setenv("EXL3MOE_WS", "1")
-    assert not tm.uses_ws(128, 2048, 768, cuda), "mbarrier try_wait needs sm_90"
+    for capability in ((8, 0), (10, 0)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert not tm.uses_ws(128, 2048, 768, cuda), "wgmma is sm_90a only"

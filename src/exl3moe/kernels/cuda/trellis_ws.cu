@@ -1,26 +1,22 @@
-// EXL3 linear for blocks of 128 rows, warp-specialized: producer warps decode the 8 n16 tiles of a 128-column block
-// into a ring of shared-memory stages (each lane's mma.sync B fragments, as trellis_mma decodes them), and consumer
-// warps (32 rows x 16 CONSUMER_TILES columns each) run mma.sync on them with x staged by cp.async. Every output element
-// gets the same k16 products in the same order as trellis_mma at 8 m16 tiles, and the same split partials, so the
-// two kernels give the same bytes. A block runs `splits_per_block` consecutive splits. Compile-time (-D): K2, CB,
-// PF (k-tiles of words prefetched per producer), STAGES (ring depth in k-tiles), PAIR_SCALAR.
+// EXL3 linear for blocks of 128 rows on sm_90a, warp-specialized: producer warps decode the 8 n16 tiles of a
+// 128-column block into a ring of shared-memory stages (the mma.sync B fragments trellis_mma decodes, stored as
+// wgmma core matrices), and four consumer warpgroups (64 rows x 64 columns each) run one wgmma m64n64k16 per k-tile
+// on them, with x staged by cp.async in the 128-byte swizzle. A k16 step sums to the same bits on wgmma as on
+// mma.sync, and every output element gets the same products in the same order and the same split partials as
+// trellis_mma, so the two kernels give the same bytes. A block runs `splits_per_block` consecutive splits.
+// Compile-time (-D): K2, CB, PF (k-tiles of words prefetched per producer), STAGES (ring stages of STAGE_KT
+// k-tiles), PAIR_SCALAR.
 #include "trellis_core.cuh"
-
-#ifndef WS_WGMMA
-#define WS_WGMMA 1                         // consumers: 1 wgmma m64n64k16 per warpgroup (sm_90a), 0 mma.sync
-#endif
-#ifndef WS_POLL
-#define WS_POLL 0                          // 1: poll the ring barriers without the sleep hint (experiments)
-#endif
 
 constexpr int WS_ROWS = 128, WS_TILES = 8;
 constexpr int PRODUCERS = 16, K_TURNS = PRODUCERS / WS_TILES;   // the producers of a column take k-tiles in turn
-constexpr int CONSUMER_TILES = 2, CONSUMERS = 4 * (WS_TILES / CONSUMER_TILES);
+constexpr int CONSUMERS = 16;                           // four warpgroups
 constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
-static_assert((CHUNK / K_TURNS) % PF == 0, "a producer's k-tiles of a chunk must be whole prefetch rounds");
-constexpr int STAGE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
-constexpr int XS_HALVES = WS_ROWS * XS;                // one staged x chunk (128 rows x 128 inputs, row stride XS)
-constexpr u32 XS_BYTES = XS_HALVES * 2;
+constexpr int STAGE_KT = 2, PF_STAGES = PF / STAGE_KT;   // k-tiles per ring stage; stages of words prefetched
+static_assert((CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0, "a producer's stages of a chunk: whole prefetch rounds");
+constexpr int KTILE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
+constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
+constexpr u32 XS_BYTES = 32 * 1024;                    // one staged x chunk (128 rows x 128 inputs), 1024-aligned
 constexpr int TOTAL_STRIDE = 136;                     // row stride of the running sum: conflict-free float2 access
 constexpr int TOTAL_FLOATS = WS_ROWS * TOTAL_STRIDE;   // a block running every split: the running fp32 sum
 
@@ -42,13 +38,8 @@ __device__ __forceinline__ void warp_arrive(u64* bar) {
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     u32 done;
     do {  // the time hint lets the warp sleep until the phase completes instead of polling
-#if WS_POLL
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-#else
         asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 0x989680; "
                      "selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
-#endif
     } while (!done);
 }
 
@@ -61,69 +52,68 @@ __device__ __forceinline__ void lane0_arrive(u64* bar) {
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
 
-// Producer warp p: tile column jt (the block's p % 8th), k-tiles kt_begin + i for i = p / 8 (mod K_TURNS), each
-// decoded into ring stage i % STAGES.
+// Producer warp p: tile column jt (the block's p % 8th), ring stages i = p / 8 (mod K_TURNS) of STAGE_KT k-tiles
+// each (k-tiles kt_begin + STAGE_KT i + t), decoded into ring stage i % STAGES.
 __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const u32* __restrict__ words, int tiles_n,
                                        int jt, int kt_begin, int kt_end, int p) {
     using T = Trellis<K2, CB>;
     const int lane = threadIdx.x & 31;
     const int first_bit = T::first_bit(lane);
     const u32 sh = first_bit & 31;
-    const int turn = p / WS_TILES, mine = (kt_end - kt_begin) / K_TURNS;   // k ranges are whole chunks
-    const size_t k_stride = (size_t)tiles_n * T::WT * K_TURNS;
+    const int turn = p / WS_TILES, mine = (kt_end - kt_begin) / (STAGE_KT * K_TURNS);   // k ranges: whole chunks
+    const size_t k_tile = (size_t)tiles_n * T::WT, k_step = k_tile * STAGE_KT * K_TURNS;
     const u32* ptr[T::NW];
 #pragma unroll
     for (int i = 0; i < T::NW; i++)
-        ptr[i] = words + (size_t)jt * T::WT + ((first_bit >> 5) + i) % T::WT + (size_t)(kt_begin + turn) * tiles_n * T::WT;
-    u32 buf[PF][T::NW];
+        ptr[i] = words + (size_t)jt * T::WT + ((first_bit >> 5) + i) % T::WT + (kt_begin + STAGE_KT * turn) * k_tile;
+    u32 buf[PF_STAGES][STAGE_KT][T::NW];
 #pragma unroll
-    for (int q = 0; q < PF; q++) {
+    for (int q = 0; q < PF_STAGES; q++) {
 #pragma unroll
-        for (int i = 0; i < T::NW; i++) buf[q][i] = __ldg(ptr[i]);
+        for (int t = 0; t < STAGE_KT; t++)
+#pragma unroll
+            for (int i = 0; i < T::NW; i++) buf[q][t][i] = __ldg(ptr[i] + t * k_tile);
         if (q + 1 < mine) {
 #pragma unroll
-            for (int i = 0; i < T::NW; i++) ptr[i] += k_stride;
+            for (int i = 0; i < T::NW; i++) ptr[i] += k_step;
         }
     }
-    for (int j0 = 0; j0 < mine; j0 += PF) {
+    for (int j0 = 0; j0 < mine; j0 += PF_STAGES) {
 #pragma unroll
-        for (int q = 0; q < PF; q++) {
+        for (int q = 0; q < PF_STAGES; q++) {
             const int j = j0 + q;
             const u32 i = j * K_TURNS + turn, s = i % STAGES;
-            u32 b[4];
-            T::decode_tile(buf[q], sh, b);
+            u32 b[STAGE_KT][4];
 #pragma unroll
-            for (int w = 0; w < T::NW; w++) buf[q][w] = __ldg(ptr[w]);
-            if (j + PF + 1 < mine) {
+            for (int t = 0; t < STAGE_KT; t++) {
+                T::decode_tile(buf[q][t], sh, b[t]);
 #pragma unroll
-                for (int w = 0; w < T::NW; w++) ptr[w] += k_stride;
+                for (int w = 0; w < T::NW; w++) buf[q][t][w] = __ldg(ptr[w] + t * k_tile);
+            }
+            if (j + PF_STAGES + 1 < mine) {
+#pragma unroll
+                for (int w = 0; w < T::NW; w++) ptr[w] += k_step;
             }
             mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
-#if WS_WGMMA
-            // Fragment b[f] of every lane is one 8 x 8 core matrix (n-octet 2 jt + f / 2, k-octet f % 2), 128 bytes.
+            // Fragment b[t][f] of every lane is one 8 x 8 core matrix of k-tile t (n-octet 2 jt + f / 2, k-octet
+            // f % 2), 128 bytes.
             u32* dst = ring + s * STAGE_U32 + (p % WS_TILES) * 128 + lane;
 #pragma unroll
-            for (int f = 0; f < 4; f++) dst[32 * f] = b[f];
+            for (int t = 0; t < STAGE_KT; t++)
+#pragma unroll
+                for (int f = 0; f < 4; f++) dst[t * KTILE_U32 + 32 * f] = b[t][f];
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
-#else
-            *reinterpret_cast<uint4*>(ring + s * STAGE_U32 + (p % WS_TILES) * 128 + lane * 4) =
-                make_uint4(b[0], b[1], b[2], b[3]);
-#endif
             warp_arrive(full + s);
         }
     }
 }
 
-#if WS_WGMMA
 // Byte offset of (row, 16-byte piece p of its 128 inputs) in a staged chunk for wgmma's 128-byte swizzle: two
 // halves of 64 inputs, each 128 rows of 128 bytes whose pieces are permuted by row % 8 (1024-byte aligned).
 __device__ __forceinline__ u32 x_swizzled_offset(int row, int p) {
     return (p >> 3) * (WS_ROWS * 128) + row * 128 + (((p & 7) ^ (row & 7)) << 4);
 }
 constexpr u32 ROWS32_BYTES = 32 * 128;                 // 32 rows further in the staged chunk
-#else
-constexpr u32 ROWS32_BYTES = 32 * XS * 2;
-#endif
 
 // Consumer thread ct's part of staging x: rows first_row + 32 i (i < 4) of the block, 8 inputs from column col.
 struct XStager {
@@ -133,11 +123,7 @@ struct XStager {
 
     __device__ XStager(const unsigned short* x, unsigned short* xs, int m0, int block_rows, int stride_x, int ct) {
         const int first_row = ct >> 4, col = (ct & 15) * 8;
-#if WS_WGMMA
         dst = smem_addr(xs) + x_swizzled_offset(first_row, ct & 15);   // eight threads fill one 128-byte row
-#else
-        dst = smem_addr(xs + first_row * XS + col);
-#endif
         src = x + (size_t)(m0 + (first_row < block_rows ? first_row : 0)) * stride_x + col;
         row_step = 32u * stride_x * 2u;
         live = (block_rows - first_row + 31) / 32;
@@ -155,7 +141,6 @@ struct XStager {
     }
 };
 
-#if WS_WGMMA
 // wgmma shared-memory descriptors (low word: start address, leading offset; high word: stride offset, layout).
 // Ring stages: K-major core matrices without swizzle, k-octets 128 bytes apart, column octets 256 bytes apart.
 __device__ __forceinline__ u32 ring_descriptor(u32 addr) { return ((addr >> 4) & 0x3FFF) | ((128 >> 4) << 16); }
@@ -183,7 +168,6 @@ __device__ __forceinline__ void wgmma_64x64(float (&d)[1][4][2][4], u32 desc_a, 
 
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-#endif
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, float* __restrict__ part,
@@ -215,7 +199,6 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
     if (warp < PRODUCERS) {
         produce(ring, full, empty, words, tiles_n, blockIdx.x * WS_TILES + warp % WS_TILES, kt_begin, kt_end, warp);
     } else {
-#if WS_WGMMA
         // Consumer warpgroup c: block rows 64 (c & 1) + [0, 64), columns 64 (c >> 1) + [0, 64); warp w: 16 of the rows.
         const int c = (warp - PRODUCERS) >> 2, row0 = 64 * (c & 1) + 16 * (warp & 3), ct = threadIdx.x - PRODUCERS * 32;
         const int my_rows = block_rows - row0;
@@ -238,13 +221,17 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
                 consumers_sync();  // every consumer's rows are in xs[buf], and none reads xs[buf ^ 1]
                 if (c0 + CHUNK < kt_end) stager.stage(c0 + CHUNK, buf ^ 1);
 #pragma unroll
-                for (int s = 0; s < CHUNK; s++) {
+                for (int q = 0; q < CHUNK / STAGE_KT; q++) {
                     mbar_wait(full + st, phase);
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-                    wgmma_64x64(acc, desc_x + ((buf * XS_BYTES + (s >> 2) * WS_ROWS * 128 + (s & 3) * 32) >> 4),
-                                desc_w + ((st * STAGE_U32 * 4) >> 4));
+#pragma unroll
+                    for (int t = 0; t < STAGE_KT; t++) {
+                        const int s = STAGE_KT * q + t;   // k-tile within the chunk
+                        wgmma_64x64(acc, desc_x + ((buf * XS_BYTES + (s >> 2) * WS_ROWS * 128 + (s & 3) * 32) >> 4),
+                                    desc_w + ((st * STAGE_U32 + t * KTILE_U32) * 4 >> 4));
+                    }
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                    wgmma_wait<1>();   // the previous k-tile's wgmma is done with its stage
+                    wgmma_wait<1>();   // the previous stage's wgmmas are done with it
                     if (holding) lane0_arrive(empty + held);
                     held = st;
                     holding = true;
@@ -275,77 +262,6 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
             }
             zero_acc(acc);
         }
-#else
-        const int c = warp - PRODUCERS, mg = c & 3, ng = c >> 2, ct = threadIdx.x - PRODUCERS * 32;
-        const int my_rows = block_rows - 32 * mg;
-        const int jt0 = blockIdx.x * WS_TILES + CONSUMER_TILES * ng;
-        const u32 a_lane = smem_addr(xs + (32 * mg + (lane & 15)) * XS + (lane >> 4) * 8);
-        const u32 b_lane = smem_addr(ring + CONSUMER_TILES * ng * 128 + lane * 4);
-        float acc[2][CONSUMER_TILES][2][4];
-        zero_acc(acc);
-        const XStager stager(x, xs, m0, block_rows, stride_x, ct);
-        stager.stage(kt_begin, 0);
-        u32 st = 0, phase = 0;   // ring stage of the next k-tile and its phase parity
-        for (int split = split0; split < split1; split++) {
-            const int kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, ktiles_total);
-            for (int c0 = kt0; c0 < kt1; c0 += CHUNK) {
-                const int buf = ((c0 - kt_begin) / CHUNK) & 1;
-                consumers_sync();  // every consumer is done with the other buffer's chunk
-                if (c0 + CHUNK < kt_end) stager.stage(c0 + CHUNK, buf ^ 1);
-                else asm volatile("cp.async.commit_group;" ::: "memory");
-                asm volatile("cp.async.wait_group 1;" ::: "memory");
-                consumers_sync();  // this chunk's rows are in xs[buf]
-                const u32 a_chunk = a_lane + buf * XS_HALVES * 2;
-#pragma unroll 2
-                for (int s = 0; s < CHUNK; s++) {
-                    // Both m16 tiles always: rows past the block are staged as zeros and never stored.
-                    u32 a[2][4], b[CONSUMER_TILES][4];   // x fragments first: they do not wait for the ring
-                    ldmatrix_x4(a[0], a_chunk + s * 32);
-                    ldmatrix_x4(a[1], a_chunk + (16 * XS + s * 16) * 2);
-                    mbar_wait(full + st, phase);
-#pragma unroll
-                    for (int t = 0; t < CONSUMER_TILES; t++)
-                        asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
-                                     : "=r"(b[t][0]), "=r"(b[t][1]), "=r"(b[t][2]), "=r"(b[t][3])
-                                     : "r"(b_lane + st * STAGE_U32 * 4 + t * 512));
-#pragma unroll
-                    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                        for (int t = 0; t < CONSUMER_TILES; t++) {
-                            mma16816(acc[mt][t][0], a[mt], b[t][0], b[t][1]);
-                            mma16816(acc[mt][t][1], a[mt], b[t][2], b[t][3]);
-                        }
-                    lane0_arrive(empty + st);
-                    if (++st == STAGES) {
-                        st = 0;
-                        phase ^= 1;
-                    }
-                }
-            }
-            if (whole) {
-                // total = ((0 + p0) + p1) + ...: each thread adds its own elements, where store_partials puts them.
-                const int g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-                for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-                    for (int nt = 0; nt < CONSUMER_TILES; nt++)
-#pragma unroll
-                        for (int h = 0; h < 2; h++)
-#pragma unroll
-                            for (int half = 0; half < 2; half++) {
-                                const int r = 32 * mg + mt * 16 + g + 8 * half;
-                                const int col = (CONSUMER_TILES * ng + nt) * 16 + h * 8 + 2 * t4;
-                                float2& t = *reinterpret_cast<float2*>(total + r * TOTAL_STRIDE + col);
-                                const float2 before = split == split0 ? make_float2(0.f, 0.f) : t;
-                                t = make_float2(before.x + acc[mt][nt][h][2 * half],
-                                                before.y + acc[mt][nt][h][2 * half + 1]);
-                            }
-            } else if (my_rows > 0) {
-                store_partials(acc, part + ((size_t)split * rows + m0 + 32 * mg) * n, n, my_rows, jt0);
-            }
-            zero_acc(acc);
-        }
-#endif
     }
     constexpr int WARPS_ALL = PRODUCERS + CONSUMERS;
     if (whole) {
