@@ -16,6 +16,6 @@ if [ -n "${EXTRA_DEFINES:-}" ]; then
   EXL3MOE_NVRTC_DEFINES="$EXTRA_DEFINES" timeout 120 python3 scripts/ws_probe.py --shapes 4096x14336 2048x768 \
     --rows 128 --spb 0 --skip-mma | sed "s/^/[$EXTRA_DEFINES] /"
 fi
-if [ -n "${NCU:-}" ]; then bash scripts/ncu_source.sh 128 'trellis_ws$' 2>&1 | head -30; fi
+if [ -n "${NCU:-}" ]; then bash scripts/ncu_source.sh 128 'trellis_ws$' 2>&1; fi
 } > "$OUT/ws_check.log" 2>&1
 grep -E "passed|failed|error|rows|Duration" "$OUT/ws_check.log"
