@@ -35,7 +35,8 @@ def launches(monkeypatch):
     """Pretend the CUDA kernels are available: compiling returns (file, name); launches are recorded."""
     recorded = []
     monkeypatch.setattr(nvrtc, "available", lambda device: True)
-    monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="": (file, name, prelude))
+    monkeypatch.setattr(nvrtc, "kernel",
+                        lambda file, name, defines, index, prelude="", arch_suffix="": (file, name, prelude))
     monkeypatch.setattr(nvrtc, "launch",
                         lambda func, grid, block, args, shared=0: recorded.append((func, grid, block, args)))
     return recorded
