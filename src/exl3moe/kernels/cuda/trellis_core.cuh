@@ -107,6 +107,33 @@ struct Trellis {
     }
 };
 
+// One lane's trellis words of a tile column: NW pointers into the tile at some k-tile, stepped along k; `shift`
+// aligns the lane's first bit (decode_tile's sh).
+template <class T>
+struct WordStream {
+    const u32* ptr[T::NW];
+    u32 shift;
+
+    __device__ __forceinline__ WordStream(const u32* words, int jt, size_t kt_offset) {
+        const int first_bit = T::first_bit(threadIdx.x & 31);
+        shift = first_bit & 31;
+#pragma unroll
+        for (int i = 0; i < T::NW; i++)
+            ptr[i] = words + (size_t)jt * T::WT + ((first_bit >> 5) + i) % T::WT + kt_offset;
+    }
+
+    // w = this lane's words of the tile `offset` words further on (another column or k-tile).
+    __device__ __forceinline__ void load(u32 (&w)[T::NW], size_t offset = 0) const {
+#pragma unroll
+        for (int i = 0; i < T::NW; i++) w[i] = __ldg(ptr[i] + offset);
+    }
+
+    __device__ __forceinline__ void advance(size_t step) {
+#pragma unroll
+        for (int i = 0; i < T::NW; i++) ptr[i] += step;
+    }
+};
+
 __device__ __forceinline__ void mma16816(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};"
@@ -169,27 +196,17 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[MT_][NT_][2][4], const
     using T = Trellis<K2_, CB_>;
     static_assert(KTILE_UNROLL % PF_ == 0, "KTILE_UNROLL must be a multiple of the prefetch depth");
     const int lane = threadIdx.x & 31;
-    // This lane's word pointers inside the first tile of its column, and the shift that aligns its first bit.
-    const int first_bit = T::first_bit(lane);
-    const u32 sh = first_bit & 31;
     const size_t k_stride = (size_t)tiles_n * T::WT;
-    const u32* ptr[T::NW];
-#pragma unroll
-    for (int i = 0; i < T::NW; i++)
-        ptr[i] = words + (size_t)jt0 * T::WT + ((first_bit >> 5) + i) % T::WT + kt0 * k_stride;
+    WordStream<T> stream(words, jt0, kt0 * k_stride);
+    const u32 sh = stream.shift;
 
     // Split ranges are whole chunks, so every k-tile of the loop exists; prefetches past the end re-read the last.
     u32 buf[PF_][NT_][T::NW];
 #pragma unroll
     for (int p = 0; p < PF_; p++) {
 #pragma unroll
-        for (int nt = 0; nt < NT_; nt++)
-#pragma unroll
-            for (int i = 0; i < T::NW; i++) buf[p][nt][i] = __ldg(ptr[i] + nt * T::WT);
-        if (kt0 + p + 1 < kt1) {
-#pragma unroll
-            for (int i = 0; i < T::NW; i++) ptr[i] += k_stride;
-        }
+        for (int nt = 0; nt < NT_; nt++) stream.load(buf[p][nt], nt * T::WT);
+        if (kt0 + p + 1 < kt1) stream.advance(k_stride);
     }
     const u32 xs_lane = (u32)__cvta_generic_to_shared(xs + (lane & 15) * XS + (lane >> 4) * 8);
 
@@ -220,13 +237,8 @@ __device__ __forceinline__ void mma_mainloop(float (&acc)[MT_][NT_][2][4], const
                 }
             }
 #pragma unroll
-            for (int nt = 0; nt < NT_; nt++)
-#pragma unroll
-                for (int i = 0; i < T::NW; i++) buf[slot][nt][i] = __ldg(ptr[i] + nt * T::WT);
-            if (c0 + s + PF_ + 1 < kt1) {
-#pragma unroll
-                for (int i = 0; i < T::NW; i++) ptr[i] += k_stride;
-            }
+            for (int nt = 0; nt < NT_; nt++) stream.load(buf[slot][nt], nt * T::WT);
+            if (c0 + s + PF_ + 1 < kt1) stream.advance(k_stride);
         }
         }
     }

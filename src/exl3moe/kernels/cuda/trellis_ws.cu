@@ -58,25 +58,16 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
                                        int jt, int kt_begin, int kt_end, int p) {
     using T = Trellis<K2, CB>;
     const int lane = threadIdx.x & 31;
-    const int first_bit = T::first_bit(lane);
-    const u32 sh = first_bit & 31;
     const int turn = p / WS_TILES, mine = (kt_end - kt_begin) / (STAGE_KT * K_TURNS);   // k ranges: whole chunks
     const size_t k_tile = (size_t)tiles_n * T::WT, k_step = k_tile * STAGE_KT * K_TURNS;
-    const u32* ptr[T::NW];
-#pragma unroll
-    for (int i = 0; i < T::NW; i++)
-        ptr[i] = words + (size_t)jt * T::WT + ((first_bit >> 5) + i) % T::WT + (kt_begin + STAGE_KT * turn) * k_tile;
+    WordStream<T> stream(words, jt, (kt_begin + STAGE_KT * turn) * k_tile);
+    const u32 sh = stream.shift;
     u32 buf[PF_STAGES][STAGE_KT][T::NW];
 #pragma unroll
     for (int q = 0; q < PF_STAGES; q++) {
 #pragma unroll
-        for (int t = 0; t < STAGE_KT; t++)
-#pragma unroll
-            for (int i = 0; i < T::NW; i++) buf[q][t][i] = __ldg(ptr[i] + t * k_tile);
-        if (q + 1 < mine) {
-#pragma unroll
-            for (int i = 0; i < T::NW; i++) ptr[i] += k_step;
-        }
+        for (int t = 0; t < STAGE_KT; t++) stream.load(buf[q][t], t * k_tile);
+        if (q + 1 < mine) stream.advance(k_step);
     }
     for (int j0 = 0; j0 < mine; j0 += PF_STAGES) {
 #pragma unroll
@@ -87,13 +78,9 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
 #pragma unroll
             for (int t = 0; t < STAGE_KT; t++) {
                 T::decode_tile(buf[q][t], sh, b[t]);
-#pragma unroll
-                for (int w = 0; w < T::NW; w++) buf[q][t][w] = __ldg(ptr[w] + t * k_tile);
+                stream.load(buf[q][t], t * k_tile);
             }
-            if (j + PF_STAGES + 1 < mine) {
-#pragma unroll
-                for (int w = 0; w < T::NW; w++) ptr[w] += k_step;
-            }
+            if (j + PF_STAGES + 1 < mine) stream.advance(k_step);
             mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
             // Fragment b[t][f] of every lane is one 8 x 8 core matrix of k-tile t (n-octet 2 jt + f / 2, k-octet
             // f % 2), 128 bytes.
