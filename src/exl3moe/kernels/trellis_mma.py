@@ -129,8 +129,8 @@ def counter_count(n: int, max_rows: int) -> int:
 
 OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
-WS_STAGES, WS_THREADS = 6, 1024  # trellis_ws: ring stages of 2 k-tiles; 16 producer and 16 consumer warps
-WS_SHARED_BYTES = WS_STAGES * 2 * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 128 * 136 * 4 + 2 * WS_STAGES * 8  # ring, x, sum
+WS_STAGES, WS_STAGE_KTILES, WS_THREADS = 3, 4, 1024  # trellis_ws: ring stages of 4 k-tiles; 16 + 16 warps
+WS_SHARED_BYTES = WS_STAGES * WS_STAGE_KTILES * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 128 * 136 * 4 + 2 * WS_STAGES * 8  # ring, x, sum
 WS_MIN_ROWS, WS_MIN_ROWS_LARGE = 32, 64  # calls from this many rows (x rotated) run on trellis_ws: small, large weights
 
 
@@ -145,7 +145,7 @@ def uses_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
 
 def ws_kernel(K: float, codebook: str, device: torch.device):
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH), ("STAGES", WS_STAGES),
-               ("PAIR_SCALAR", 2))
+               ("STAGE_KT", WS_STAGE_KTILES), ("PAIR_SCALAR", 2))
     return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0, arch_suffix="a")
 
 

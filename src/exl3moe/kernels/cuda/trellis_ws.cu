@@ -12,7 +12,10 @@ constexpr int WS_ROWS = 128, WS_TILES = 8;
 constexpr int PRODUCERS = 16, K_TURNS = PRODUCERS / WS_TILES;   // the producers of a column take k-tiles in turn
 constexpr int CONSUMERS = 16;                           // four warpgroups
 constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
-constexpr int STAGE_KT = 2, PF_STAGES = PF / STAGE_KT;   // k-tiles per ring stage; stages of words prefetched
+#ifndef STAGE_KT
+#define STAGE_KT 4                                      // k-tiles per ring stage
+#endif
+constexpr int PF_STAGES = PF / STAGE_KT;               // stages of words prefetched
 static_assert((CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0, "a producer's stages of a chunk: whole prefetch rounds");
 constexpr int KTILE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
