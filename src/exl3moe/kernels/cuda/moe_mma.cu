@@ -8,7 +8,15 @@
 // scale; the last of the 2 x splits arrivals applies both output Hadamards, svh and bias, the activation,
 // down's suh and input Hadamard, and stores h_rot[pos] fp16.
 // down: grid (route block, H / 128, splits); the last arrival writes y[slot] = Hn(sum) * svh + bias, fp32.
+// WS (sm_90a, 128-row route blocks, pre-rotated inputs, WARPS 32): the mainloops run warp-specialized on
+// trellis_ws.cuh, producers decoding through the prelude's WS_PRODUCE_* switches; the epilogues are the same.
 #include "trellis_core.cuh"
+#ifndef WS
+#define WS 0
+#endif
+#if WS
+#include "trellis_ws.cuh"
+#endif
 
 constexpr int BLOCK_M = 16 * MT;
 
@@ -128,6 +136,47 @@ __device__ __forceinline__ void rotate_chunk(unsigned short* dst, const unsigned
     for (int j = 0; j < 4; j++) dst[4 * lane + j] = float_to_half(v[j] * INV_SQRT_128);
 }
 
+#if WS
+// The warp-specialized mainloop of one (route block, 128 columns, k split): acc of the consumer warps += rows
+// [start, start + nrows) of x (row length `width`, pre-rotated) over k-tiles [kt0, kt1) times the trellis at `index`,
+// plus scale x residual of every stage with a nonzero scale, as add_stages computes them; produce(words, key,
+// cursor) decodes one trellis into the ring. Consumers return their rows' first row in the block.
+template <class Produce>
+__device__ __forceinline__ int ws_mainloop(float (&acc)[1][4][2][4], const WsShared& sh, const unsigned short* x,
+                                           int start, int nrows, int width, int kt0, int kt1, const u32* words,
+                                           int key, int index, int stride, int num_stages,
+                                           const long long* __restrict__ addr, const int* __restrict__ k2,
+                                           const int* __restrict__ codebook, const float* __restrict__ scale,
+                                           Produce&& produce) {
+    const int warp = threadIdx.x >> 5, per_range = (kt1 - kt0) / STAGE_KT;
+    if (warp < PRODUCERS) {
+        u32 cursor = 0;
+        produce(words, key, cursor);
+        for (int s = 0; s < num_stages; s++) {
+            const int i = s * stride + index;
+            if (scale[i] == 0.f) continue;
+            cursor += per_range;
+            produce(reinterpret_cast<const u32*>(addr[i]), k2[i] * 4 + codebook[i], cursor);
+        }
+        return -1;
+    }
+    Consumer consumer(x, sh.xs, sh.ring, start, nrows, width);
+    consumer.stage_first(kt0);
+    consumer.run(acc, sh.full, sh.empty, kt0, kt1, -1);
+    for (int s = 0; s < num_stages; s++) {
+        const int i = s * stride + index;
+        const float f = scale[i];
+        if (f == 0.f) continue;
+        scale_acc(acc, 1.f / f);
+        consumer.stage_first(kt0);
+        consumer.run(acc, sh.full, sh.empty, kt0, kt1, -1);
+        scale_acc(acc, f);
+    }
+    const int c = (warp - PRODUCERS) >> 2;
+    return 64 * (c & 1) + 16 * (warp & 3);
+}
+#endif
+
 // x_rot[p, pos] = gate (p 0) or up (p 1) rotated input of every routed position: grid (route block, 2,
 // BLOCK_M / ROTATE_ROWS); each warp rotates (row, 128 inputs) items of the block's ROTATE_ROWS rows, two at a time.
 // The same bytes gate/up computes itself without PRE_ROTATED.
@@ -167,7 +216,9 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 int capacity, unsigned short* __restrict__ h_rot, int* __restrict__ counters, int ktiles_per_split,
                 int splits, int activation, int has_limit, float limit, const unsigned short* __restrict__ x_rot,
                 int ids_64) {
+#if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
+#endif
     const int b = blockIdx.x;
     int expert, start, nrows;
     if (!route_block(b, block_expert, block_start, offsets, ids_64, num_experts, expert, start, nrows)) return;
@@ -176,6 +227,21 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const int index = proj * num_experts + expert;
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[index]);
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
+    const size_t split_stride = (size_t)2 * capacity * inter;
+#if WS
+    extern __shared__ __align__(16) unsigned char smem[];
+    const WsShared sh(smem);
+    const int tiles_n = inter / 16, jt = cblock * 8 + warp % WS_TILES;
+    float acc[1][4][2][4];
+    zero_acc(acc);
+    const int row0 = ws_mainloop(acc, sh, x_rot + (size_t)proj * capacity * hidden, start, nrows, hidden, kt0, kt1,
+                                 reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
+                                 index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+                                 [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_GATE_UP(words, key, cursor) });
+    if (row0 >= 0 && row0 < nrows)
+        store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start + row0) * inter, inter,
+                       min(nrows - row0, 16), cblock * 8 + 4 * ((warp - PRODUCERS) >> 3));
+#else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = inter / 16, mtiles = (nrows + 15) / 16;
 
     auto stage = [&](int c0) {
@@ -197,8 +263,8 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     DISPATCH_GATE_UP(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                [&](const u32* words, int key) { STAGE_DISPATCH_GATE_UP(acc, words, key) });
-    const size_t split_stride = (size_t)2 * capacity * inter;
     store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows, jt0);
+#endif
     if (!last_arrival(counters + b * (inter / 128) + cblock, 2 * splits)) return;
 
     const int c = cblock * 128 + 4 * lane;
@@ -238,7 +304,9 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
              int* token_counters, int top_k) {
     const Combine combine{ids, ids_64, weights, weights_dtype, shared_y, out, out_dtype, stride_out, token_counters,
                           top_k};
+#if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
+#endif
     const int b = blockIdx.x;
     int expert, start, nrows;
     if (!route_block(b, block_expert, block_start, offsets, combine.ids_64, num_experts, expert, start, nrows)) {
@@ -252,6 +320,21 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     const int cblock = blockIdx.y;
     const int index = 2 * num_experts + expert;
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
+    const size_t split_stride = (size_t)capacity * hidden;
+#if WS
+    extern __shared__ __align__(16) unsigned char smem[];
+    const WsShared sh(smem);
+    const int tiles_n = hidden / 16, jt = cblock * 8 + warp % WS_TILES;
+    float acc[1][4][2][4];
+    zero_acc(acc);
+    const int row0 = ws_mainloop(acc, sh, h_rot, start, nrows, inter, kt0, kt1,
+                                 reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
+                                 index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+                                 [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_DOWN(words, key, cursor) });
+    if (row0 >= 0 && row0 < nrows)
+        store_partials(acc, part + split * split_stride + (size_t)(start + row0) * hidden, hidden,
+                       min(nrows - row0, 16), cblock * 8 + 4 * ((warp - PRODUCERS) >> 3));
+#else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 
     auto stage = [&](int c0) { copy_rows(xs, h_rot, start, nrows, inter, c0); };  // h_rot rows: rotated input
@@ -260,8 +343,8 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     DISPATCH_DOWN(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                [&](const u32* words, int key) { STAGE_DISPATCH_DOWN(acc, words, key) });
-    const size_t split_stride = (size_t)capacity * hidden;
     store_partials(acc, part + split * split_stride + (size_t)start * hidden, hidden, nrows, jt0);
+#endif
     if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) return;
 
     const int c = cblock * 128 + 4 * lane;
