@@ -43,7 +43,7 @@ class MoeMmaPlan:
     down_ktiles: int
     pre_rotate: bool  # gate/up inputs rotated once per position by moe_rotate_input, not in every column block
     direct: bool = False  # one block per slot, read from topk_ids (no route pack); down also combines
-    ws: bool = False  # 128-row blocks warp-specialized on wgmma (trellis_ws.cuh): 32 warps, dynamic shared memory
+    ws: bool = False  # gate/up's 128-row blocks warp-specialized (trellis_ws.cuh): 32 warps, dynamic smem
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -121,7 +121,7 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
     """moe_mma_layout, with both kernels compiled for the layer's formats."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
     if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
-        plan = replace(plan, warps=32, ws=True)
+        plan = replace(plan, ws=True)
     return replace(plan, gate_up_kernel=_kernel(plan, "moe_gate_up_mma", experts.device),
                    down_kernel=_kernel(plan, "moe_down_mma", experts.device),
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
@@ -148,10 +148,9 @@ def _produce(name: str, formats: tuple) -> str:
 def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     """(defines, prelude) that compile kernel `name` of moe_mma.cu for `plan`."""
     gate_up = name == "moe_gate_up_mma"
-    if plan.ws:
-        stage_and = lambda formats: tuple(sorted(set(formats) | set(plan.stage_formats)))  # noqa: E731
-        prelude = (_produce("WS_PRODUCE_GATE_UP", stage_and(plan.gate_up_formats) if gate_up else ())
-                   + _produce("WS_PRODUCE_DOWN", () if gate_up else stage_and(plan.down_formats)))
+    if plan.ws and gate_up:
+        prelude = (_produce("WS_PRODUCE_GATE_UP", tuple(sorted(set(plan.gate_up_formats) | set(plan.stage_formats))))
+                   + _produce("WS_PRODUCE_DOWN", ()))
         defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", 32), ("PRE_ROTATED", 1), ("DIRECT_ROUTE", 0),
                    ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1), ("STAGES", WS_STAGES),
                    ("STAGE_KT", WS_STAGE_KTILES))
@@ -172,7 +171,8 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
 
 def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
     defines, prelude = kernel_source(plan, name)
-    return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude, "a" if plan.ws else "")
+    return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude,
+                        "a" if plan.ws and name == "moe_gate_up_mma" else "")
 
 
 def workspace_numels(plan: MoeMmaPlan, capacity: int, max_blocks: int, hidden: int, inter: int) -> dict:
@@ -204,7 +204,8 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     limit = float(tables.limit) if tables.limit is not None else 0.0
-    nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), plan.warps * 32,
+    threads = 1024 if plan.ws else plan.warps * 32
+    nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), threads,
                  [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
                   sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2,
                   tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, partial, capacity, h_rot,
@@ -229,5 +230,4 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
     nvrtc.launch(plan.down_kernel, (grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,
                   tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I, partial, capacity,
-                  counters, plan.down_ktiles, plan.down_splits, *combine_args],
-                 shared=WS_SHARED_BYTES if plan.ws else 0)
+                  counters, plan.down_ktiles, plan.down_splits, *combine_args])
