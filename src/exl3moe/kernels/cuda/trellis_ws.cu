@@ -46,7 +46,7 @@ __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
     } while (!done);
 }
 
-// Consumers' arrival: their stage reads were consumed by the warp's mma.sync (all lanes) before this point.
+// One arrival for the calling warp, from lane 0 (after a wgmma wait that covers every lane's reads).
 __device__ __forceinline__ void lane0_arrive(u64* bar) {
     if ((threadIdx.x & 31) == 0)
         asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(smem_addr(bar))
