@@ -29,13 +29,6 @@ __device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
 
-// One arrival for the calling warp, after all its lanes' earlier shared-memory accesses.
-__device__ __forceinline__ void warp_arrive(u64* bar) {
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0)
-        asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(smem_addr(bar))
-                     : "memory");
-}
 
 // Returns once the phase of parity `parity` of *bar has completed.
 __device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
@@ -51,6 +44,12 @@ __device__ __forceinline__ void lane0_arrive(u64* bar) {
     if ((threadIdx.x & 31) == 0)
         asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(smem_addr(bar))
                      : "memory");
+}
+
+// One arrival for the calling warp, after all its lanes' earlier shared-memory accesses.
+__device__ __forceinline__ void warp_arrive(u64* bar) {
+    __syncwarp();
+    lane0_arrive(bar);
 }
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
@@ -248,7 +247,7 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
                             t = make_float2(before.x + acc[0][nt][h][2 * half], before.y + acc[0][nt][h][2 * half + 1]);
                         }
             } else if (my_rows > 0) {
-                store_partials(acc, part + ((size_t)split * rows + m0 + row0) * n, n, min(my_rows, 16), jt0);
+                store_partials(acc, part + ((size_t)split * rows + m0 + row0) * n, n, my_rows, jt0);
             }
             zero_acc(acc);
         }
