@@ -9,7 +9,8 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 ROWS="$1"; KERNEL="$2"; K="${3:-4096}"; N="${4:-14336}"
 REP="$OUT/source_${KERNEL//[^a-z_]/}${TAG:-}"
 ncu --clock-control none --kernel-name "regex:$KERNEL" --launch-skip 2 --launch-count 1 \
-    --section SourceCounters --section WarpStateStats --section SpeedOfLight --import-source no \
+    --section SourceCounters --section WarpStateStats --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --import-source no \
     -o "$REP" -f python3 scripts/ncu_linear_target.py "$ROWS" "$K" "$N" > "$REP.log" 2>&1 || { tail -20 "$REP.log"; exit 1; }
 ncu --import "$REP.ncu-rep" --page details > "$REP.details.txt" 2>&1
 grep -E "Duration|Warp Cycles Per Issued|Issued Ipc" "$REP.details.txt" | head -5

@@ -30,6 +30,16 @@ def main(path: str, top: int = 45) -> None:
         lead = sorted(((num(r, c), c) for c in reasons), reverse=True)[:2]
         why = ", ".join(f"{c.replace('stall_', '')} {v / total:.1%}" for v, c in lead if v > 0)
         print(f"{num(r, samples) / total:6.2%}  {r[addr]:>6}  {r[col['Source']].strip()[:70]:70}  {why}")
+    executed = next((c for c in col if c.startswith("Instructions Executed")), None)
+    if executed:
+        by_op = {}
+        for r in body:
+            op = [w for w in r[col["Source"]].split() if not w.startswith("@")][:1] or ["?"]
+            by_op[op[0].split(".")[0]] = by_op.get(op[0].split(".")[0], 0.0) + num(r, executed)
+        all_executed = sum(by_op.values()) or 1.0
+        print(f"warp instructions executed: {all_executed:.4g}")
+        for op, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:16]:
+            print(f"  {v / all_executed:6.1%}  {op}")
 
 
 if __name__ == "__main__":

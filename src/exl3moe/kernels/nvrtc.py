@@ -179,7 +179,8 @@ def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str
     driver, _ = _bindings()
     torch.cuda.synchronize(device_index)
     major, minor = torch.cuda.get_device_capability(device_index)
-    text, options, arch = prelude + source(file), {**dict(defines), **extra_defines()}, f"sm_{major}{minor}{arch_suffix}"
+    text, options = prelude + source(file), {**dict(defines), **extra_defines()}
+    arch = f"sm_{major}{minor}{arch_suffix}"
     err, module = driver.cuModuleLoadData(cached_cubin(text, options, arch))
     if int(err) != 0:
         # A damaged cache entry: drop it and compile afresh.

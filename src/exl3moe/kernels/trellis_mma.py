@@ -130,7 +130,8 @@ def counter_count(n: int, max_rows: int) -> int:
 OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 WS_STAGES, WS_STAGE_KTILES, WS_THREADS = 3, 4, 1024  # trellis_ws: ring stages of 4 k-tiles; 16 + 16 warps
-WS_SHARED_BYTES = WS_STAGES * WS_STAGE_KTILES * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 128 * 136 * 4 + 2 * WS_STAGES * 8  # ring, x, sum
+# trellis_ws's dynamic shared memory: ring stages, alignment slack, two x chunks, the running sum, the barriers.
+WS_SHARED_BYTES = WS_STAGES * WS_STAGE_KTILES * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 128 * 136 * 4 + 2 * WS_STAGES * 8
 WS_MIN_ROWS, WS_MIN_ROWS_LARGE = 32, 64  # calls from this many rows (x rotated) run on trellis_ws: small, large weights
 
 
@@ -138,7 +139,8 @@ def uses_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
     """Whether a call of `rows` (<= 128) pre-rotated rows runs on the warp-specialized kernel (sm_90 exactly: it
     uses wgmma; EXL3MOE_WS=0 keeps trellis_mma, EXL3MOE_WS_MIN_ROWS moves the row threshold). Both kernels give the
     same bytes, so the choice may depend on anything."""
-    min_rows = int(os.environ.get("EXL3MOE_WS_MIN_ROWS") or (WS_MIN_ROWS if k * n < SMALL_WEIGHT else WS_MIN_ROWS_LARGE))
+    default = WS_MIN_ROWS if k * n < SMALL_WEIGHT else WS_MIN_ROWS_LARGE
+    min_rows = int(os.environ.get("EXL3MOE_WS_MIN_ROWS") or default)
     return (os.environ.get("EXL3MOE_WS", "1") != "0" and rows >= min_rows and device.type == "cuda"
             and torch.cuda.get_device_capability(device) == (9, 0))
 
