@@ -9,6 +9,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 {
 timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_gpu.py 2>&1 | tail -2
 timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_gpu.py 2>&1 | tail -2
+timeout 150 python3 scripts/ws_probe.py --rows 128 --spb 0 2>&1 | grep -v "^$" | tail -12
 for ws in 0 1; do
   EXL3MOE_MOE_WS=$ws timeout 120 python3 scripts/moe_probe.py --tokens 1024 4096 2>&1 | grep "T=" | sed "s/^/[ws=$ws] /"
 done

@@ -118,7 +118,8 @@ def test_moe_warp_specialized_launches(launches, monkeypatch):
     check(launches)
     for (func, grid, block, args), shared in zip(launches, shared_bytes):
         ws = func[1] == "moe_gate_up_mma"  # down's short k range stays on mma.sync
-        assert (block, shared) == ((1024, moe_mma.WS_SHARED_BYTES) if ws else (plan.mma.warps * 32, 0)), func[1]
+        expected = (moe_mma.WS_THREADS, moe_mma.WS_SHARED_BYTES) if ws else (plan.mma.warps * 32, 0)
+        assert (block, shared) == expected, func[1]
     assert "WS_PRODUCE" not in plan.mma.down_kernel[2]
 
 
@@ -156,7 +157,7 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
                   tiles)
     check(launches)
     (func, grid, block, args), = launches
-    assert func[1] == "trellis_ws" and block == 1024 and args[-1] == expected_spb
+    assert func[1] == "trellis_ws" and block == tm.WS_THREADS == 768 and args[-1] == expected_spb
     assert grid == (1792 // 128, -(-8 // expected_spb), 1), "every (128 columns, split group, 128 rows)"
 
 

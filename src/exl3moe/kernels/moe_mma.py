@@ -16,7 +16,7 @@ import os
 
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
-from .trellis_mma import CHUNK_K, WS_STAGE_KTILES, WS_STAGES, chunk_splits, pair_scalar
+from .trellis_mma import CHUNK_K, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits, pair_scalar
 
 PREFETCH = 4
 CHUNK_KTILES, MIXED_KTILE_UNROLL = CHUNK_K // 16, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
@@ -43,7 +43,7 @@ class MoeMmaPlan:
     down_ktiles: int
     pre_rotate: bool  # gate/up inputs rotated once per position by moe_rotate_input, not in every column block
     direct: bool = False  # one block per slot, read from topk_ids (no route pack); down also combines
-    ws: bool = False  # gate/up's 128-row blocks warp-specialized (trellis_ws.cuh): 32 warps, dynamic smem
+    ws: bool = False  # gate/up's 128-row blocks warp-specialized (trellis_ws.cuh): WS_THREADS, dynamic smem
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -151,7 +151,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     if plan.ws and gate_up:
         prelude = (_produce("WS_PRODUCE_GATE_UP", tuple(sorted(set(plan.gate_up_formats) | set(plan.stage_formats))))
                    + _produce("WS_PRODUCE_DOWN", ()))
-        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", 32), ("PRE_ROTATED", 1), ("DIRECT_ROUTE", 0),
+        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1), ("DIRECT_ROUTE", 0),
                    ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1), ("STAGES", WS_STAGES),
                    ("STAGE_KT", WS_STAGE_KTILES))
         return defines, prelude
@@ -204,7 +204,7 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     limit = float(tables.limit) if tables.limit is not None else 0.0
-    threads = 1024 if plan.ws else plan.warps * 32
+    threads = WS_THREADS if plan.ws else plan.warps * 32
     nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), threads,
                  [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
                   sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2,

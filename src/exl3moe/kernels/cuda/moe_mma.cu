@@ -8,7 +8,7 @@
 // scale; the last of the 2 x splits arrivals applies both output Hadamards, svh and bias, the activation,
 // down's suh and input Hadamard, and stores h_rot[pos] fp16.
 // down: grid (route block, H / 128, splits); the last arrival writes y[slot] = Hn(sum) * svh + bias, fp32.
-// WS (sm_90a, 128-row route blocks, pre-rotated inputs, WARPS 32): the mainloops run warp-specialized on
+// WS (sm_90a, 128-row route blocks, pre-rotated inputs, WARPS 24): the mainloops run warp-specialized on
 // trellis_ws.cuh, producers decoding through the prelude's WS_PRODUCE_* switches; the epilogues are the same.
 #include "trellis_core.cuh"
 #ifndef WS
@@ -16,6 +16,10 @@
 #endif
 #if WS
 #include "trellis_ws.cuh"
+static_assert(WARPS * 32 == WS_THREADS, "a warp-specialized block is its producers and consumers");
+#define KERNEL_BOUNDS __launch_bounds__(WARPS * 32, 1)   // one block per SM: setmaxnreg needs the entry count
+#else
+#define KERNEL_BOUNDS __launch_bounds__(WARPS * 32)
 #endif
 
 constexpr int BLOCK_M = 16 * MT;
@@ -137,19 +141,20 @@ __device__ __forceinline__ void rotate_chunk(unsigned short* dst, const unsigned
 }
 
 #if WS
-// The warp-specialized mainloop of one (route block, 128 columns, k split): acc of the consumer warps += rows
-// [start, start + nrows) of x (row length `width`, pre-rotated) over k-tiles [kt0, kt1) times the trellis at `index`,
-// plus scale x residual of every stage with a nonzero scale, as add_stages computes them; produce(words, key,
-// cursor) decodes one trellis into the ring. Consumers return their rows' first row in the block.
-template <class Produce>
-__device__ __forceinline__ int ws_mainloop(float (&acc)[1][4][2][4], const WsShared& sh, const unsigned short* x,
-                                           int start, int nrows, int width, int kt0, int kt1, const u32* words,
-                                           int key, int index, int stride, int num_stages,
-                                           const long long* __restrict__ addr, const int* __restrict__ k2,
-                                           const int* __restrict__ codebook, const float* __restrict__ scale,
-                                           Produce&& produce) {
+// The warp-specialized mainloop of one (route block, 128 columns, k split): the consumer warps' accumulators of
+// rows [start, start + nrows) of x (row length `width`, pre-rotated) over k-tiles [kt0, kt1) times the trellis at
+// `index`, plus scale x residual of every stage with a nonzero scale, as add_stages computes them, go to
+// store(acc, row0) (row0: the warp's first row in the block); produce(words, key, cursor) decodes one trellis into
+// the ring. Both roles leave with the block's entry register count.
+template <class Produce, class Store>
+__device__ __forceinline__ void ws_mainloop(const WsShared& sh, const unsigned short* x, int start, int nrows,
+                                            int width, int kt0, int kt1, const u32* words, int key, int index,
+                                            int stride, int num_stages, const long long* __restrict__ addr,
+                                            const int* __restrict__ k2, const int* __restrict__ codebook,
+                                            const float* __restrict__ scale, Produce&& produce, Store&& store) {
     const int warp = threadIdx.x >> 5, per_range = (kt1 - kt0) / STAGE_KT;
     if (warp < PRODUCERS) {
+        role_registers<false, true>();
         u32 cursor = 0;
         produce(words, key, cursor);
         for (int s = 0; s < num_stages; s++) {
@@ -158,8 +163,12 @@ __device__ __forceinline__ int ws_mainloop(float (&acc)[1][4][2][4], const WsSha
             cursor += per_range;
             produce(reinterpret_cast<const u32*>(addr[i]), k2[i] * 4 + codebook[i], cursor);
         }
-        return -1;
+        role_registers<false, false>();
+        return;
     }
+    role_registers<true, true>();
+    WsAcc acc;
+    zero_acc(acc);
     Consumer consumer(x, sh.xs, sh.ring, start, nrows, width);
     consumer.stage_first(kt0);
     consumer.run(acc, sh.full, sh.empty, kt0, kt1, -1);
@@ -172,8 +181,8 @@ __device__ __forceinline__ int ws_mainloop(float (&acc)[1][4][2][4], const WsSha
         consumer.run(acc, sh.full, sh.empty, kt0, kt1, -1);
         scale_acc(acc, f);
     }
-    const int c = (warp - PRODUCERS) >> 2;
-    return 64 * (c & 1) + 16 * (warp & 3);
+    store(acc, consumer_row0());
+    role_registers<true, false>();
 }
 #endif
 
@@ -182,7 +191,7 @@ __device__ __forceinline__ int ws_mainloop(float (&acc)[1][4][2][4], const WsSha
 // The same bytes gate/up computes itself without PRE_ROTATED.
 constexpr int ROTATE_ROWS = 8;
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void KERNEL_BOUNDS
 moe_rotate_input(const unsigned short* __restrict__ x, int x_bf16, int stride_x,
                  const int* __restrict__ block_expert, const int* __restrict__ block_start,
                  const int* __restrict__ offsets, const int* __restrict__ sorted_slots, int top_k,
@@ -204,7 +213,7 @@ moe_rotate_input(const unsigned short* __restrict__ x, int x_bf16, int stride_x,
 
 __device__ __forceinline__ float bias_at(const float* bias, size_t i) { return bias != nullptr ? bias[i] : 0.f; }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void KERNEL_BOUNDS
 moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, const int* __restrict__ block_expert,
                 const int* __restrict__ block_start, const int* __restrict__ offsets,
                 const int* __restrict__ sorted_slots, int top_k, const long long* __restrict__ trellis_addr,
@@ -232,15 +241,15 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     extern __shared__ __align__(16) unsigned char smem[];
     const WsShared sh(smem);
     const int tiles_n = inter / 16, jt = cblock * 8 + warp % WS_TILES;
-    float acc[1][4][2][4];
-    zero_acc(acc);
-    const int row0 = ws_mainloop(acc, sh, x_rot + (size_t)proj * capacity * hidden, start, nrows, hidden, kt0, kt1,
-                                 reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
-                                 index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
-                                 [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_GATE_UP(words, key, cursor) });
-    if (row0 >= 0 && row0 < nrows)
-        store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start + row0) * inter, inter,
-                       min(nrows - row0, 16), cblock * 8 + 4 * ((warp - PRODUCERS) >> 3));
+    ws_mainloop(sh, x_rot + (size_t)proj * capacity * hidden, start, nrows, hidden, kt0, kt1,
+                reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
+                3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+                [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_GATE_UP(words, key, cursor) },
+                [&](const WsAcc& acc, int row0) {
+                    if (row0 < nrows)
+                        store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start + row0) *
+                                       inter, inter, nrows - row0, cblock * 8);
+                });
 #else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = inter / 16, mtiles = (nrows + 15) / 16;
 
@@ -291,7 +300,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void KERNEL_BOUNDS
 moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, const int* __restrict__ block_expert,
              const int* __restrict__ block_start, const int* __restrict__ offsets,
              const int* __restrict__ sorted_slots, const long long* __restrict__ trellis_addr,
@@ -325,15 +334,15 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     extern __shared__ __align__(16) unsigned char smem[];
     const WsShared sh(smem);
     const int tiles_n = hidden / 16, jt = cblock * 8 + warp % WS_TILES;
-    float acc[1][4][2][4];
-    zero_acc(acc);
-    const int row0 = ws_mainloop(acc, sh, h_rot, start, nrows, inter, kt0, kt1,
-                                 reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
-                                 index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
-                                 [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_DOWN(words, key, cursor) });
-    if (row0 >= 0 && row0 < nrows)
-        store_partials(acc, part + split * split_stride + (size_t)(start + row0) * hidden, hidden,
-                       min(nrows - row0, 16), cblock * 8 + 4 * ((warp - PRODUCERS) >> 3));
+    ws_mainloop(sh, h_rot, start, nrows, inter, kt0, kt1, reinterpret_cast<const u32*>(trellis_addr[index]),
+                k2[index] * 4 + codebook[index], index, 3 * num_experts, num_stages, stage_addr, stage_k2,
+                stage_codebook, stage_scale,
+                [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_DOWN(words, key, cursor) },
+                [&](const WsAcc& acc, int row0) {
+                    if (row0 < nrows)
+                        store_partials(acc, part + split * split_stride + (size_t)(start + row0) * hidden, hidden,
+                                       nrows - row0, cblock * 8);
+                });
 #else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 

@@ -22,13 +22,15 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
     const int kt_begin = split0 * ktiles_per_split, kt_end = min(split1 * ktiles_per_split, ktiles_total);
 
     if (warp < PRODUCERS) {
+        role_registers<false, true>();
         produce<K2, CB>(sh.ring, sh.full, sh.empty, words, tiles_n, blockIdx.x * WS_TILES + warp % WS_TILES, kt_begin,
                         kt_end, warp, 0);
+        role_registers<false, false>();
     } else {
-        const int c = (warp - PRODUCERS) >> 2, row0 = 64 * (c & 1) + 16 * (warp & 3);
-        const int my_rows = block_rows - row0, jt0 = blockIdx.x * WS_TILES + 4 * (c >> 1);
+        role_registers<true, true>();
+        const int row0 = consumer_row0(), my_rows = block_rows - row0, jt0 = blockIdx.x * WS_TILES;
         Consumer consumer(x, sh.xs, sh.ring, m0, block_rows, stride_x);
-        float acc[1][4][2][4];
+        WsAcc acc;
         zero_acc(acc);
         consumer.stage_first(kt_begin);
         for (int split = split0; split < split1; split++) {
@@ -38,21 +40,22 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
                 // total = ((0 + p0) + p1) + ...: each thread adds its own elements, where store_partials puts them.
                 const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++)
+                for (int nt = 0; nt < 8; nt++)
 #pragma unroll
                     for (int h = 0; h < 2; h++)
 #pragma unroll
                         for (int half = 0; half < 2; half++) {
-                            const int r = row0 + g + 8 * half, col = (4 * (c >> 1) + nt) * 16 + h * 8 + 2 * t4;
+                            const int r = row0 + g + 8 * half, col = nt * 16 + h * 8 + 2 * t4;
                             float2& t = *reinterpret_cast<float2*>(total + r * TOTAL_STRIDE + col);
                             const float2 before = split == split0 ? make_float2(0.f, 0.f) : t;
                             t = make_float2(before.x + acc[0][nt][h][2 * half], before.y + acc[0][nt][h][2 * half + 1]);
                         }
             } else if (my_rows > 0) {
-                store_partials(acc, part + ((size_t)split * rows + m0 + row0) * n, n, min(my_rows, 16), jt0);
+                store_partials(acc, part + ((size_t)split * rows + m0 + row0) * n, n, my_rows, jt0);
             }
             zero_acc(acc);
         }
+        role_registers<true, false>();
     }
     constexpr int WARPS_ALL = PRODUCERS + CONSUMERS;
     if (whole) {
