@@ -57,18 +57,17 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
         }
         role_registers<true, false>();
     }
-    constexpr int WARPS_ALL = PRODUCERS + CONSUMERS;
+    constexpr int WARPS_ALL = PRODUCERS + CONSUMERS, R = (WS_ROWS + WARPS_ALL - 1) / WARPS_ALL;   // one pass of rows
     if (whole) {
         __syncthreads();
         auto sum = [&](float (&v)[4], int r) {
             const float4 q = *reinterpret_cast<const float4*>(total + r * TOTAL_STRIDE + 4 * lane);
             v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
         };
-        finish_group<WS_ROWS / WARPS_ALL>(sum, svh, bias, out, out_dtype, m0, block_rows, blockIdx.x * 128,
-                                          stride_out, WARPS_ALL);
+        finish_group<R>(sum, svh, bias, out, out_dtype, m0, block_rows, blockIdx.x * 128, stride_out, WARPS_ALL);
         return;
     }
     if (!last_arrival(counters + blockIdx.z * (n / 128) + blockIdx.x, gridDim.y)) return;
-    reduce_group<WS_ROWS / WARPS_ALL>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, blockIdx.x * 128,
-                                      stride_out, splits, WARPS_ALL);
+    reduce_group<R>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, blockIdx.x * 128, stride_out, splits,
+                    WARPS_ALL);
 }
