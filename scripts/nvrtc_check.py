@@ -13,9 +13,9 @@ from exl3moe.kernels import moe_mma, nvrtc
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def usage(name: str, defines: dict, text: str) -> None:
+def usage(name: str, defines: dict, text: str, arch: str = "sm_90") -> None:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(nvrtc.compile_cubin(text, defines, "sm_90"))
+        fh.write(nvrtc.compile_cubin(text, defines, arch))
         fh.flush()
         res = subprocess.run([CUOBJDUMP, "-res-usage", fh.name], capture_output=True, text=True).stdout
     lines = [line.split("Function ")[-1] for line in res.splitlines() if "Function" in line or "REG" in line]

@@ -92,6 +92,37 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
         assert down[3][-10] is None, "the combine is its own launch"
 
 
+def test_moe_warp_specialized_launches(launches, monkeypatch):
+    from exl3moe.kernels import moe_mma
+
+    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
+    shared_bytes = []
+    monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0: (
+        launches.append((func, grid, block, args)), shared_bytes.append(shared)))
+    g = torch.Generator().manual_seed(4)
+    experts = random_experts(8, 256, 384, K=[4, 2.5, 3, 2] * 2, codebook=["mcg", "mul1", "3inst", "mcg"] * 2,
+                             generator=g)
+    stage = random_stage(experts, torch.rand(8, 3, generator=g), K=2, codebook="mcg", generator=g)
+    layer = type(experts)(experts.gate, experts.up, experts.down, "silu", None, [stage], "experts")
+    plan = moe_plan(layer, 70, 2, block_m=128)
+    assert plan.mma.ws and plan.mma.pre_rotate
+    producers = plan.mma.gate_up_kernel[2]
+    assert "WS_PRODUCE_GATE_UP(WORDS, KEY, CURSOR) switch (KEY) { case" in producers
+    assert "produce<4, 1>" in producers, "the stage's format is decoded by the same producers"
+    runner = plan.bind(plan.allocate())
+    x = torch.randn(70, 256).half()
+    ids = torch.randint(0, 8, (70, 2), generator=g, dtype=torch.int32)
+    calls = runner.chunk_launches(x, ids, torch.rand(70, 2, generator=g), torch.empty(70, 256).half())
+    for name in ("rotate", "gate_up", "down"):
+        calls[name]()
+    check(launches)
+    for (func, grid, block, args), shared in zip(launches, shared_bytes):
+        ws = func[1] == "moe_gate_up_mma"  # down's short k range stays on mma.sync
+        expected = (moe_mma.WS_THREADS, moe_mma.WS_SHARED_BYTES) if ws else (plan.mma.warps * 32, 0)
+        assert (block, shared) == expected, func[1]
+    assert "WS_PRODUCE" not in plan.mma.down_kernel[2]
+
+
 def test_linear_launches_match_the_kernel_signatures(launches):
     from exl3moe.kernels.trellis_mma import (DENSE_KTILES, decode_dense, dense_epilogue, plan_mma, rotate_input,
                                              trellis_mma)
@@ -126,7 +157,7 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
                   tiles)
     check(launches)
     (func, grid, block, args), = launches
-    assert func[1] == "trellis_ws" and block == 1024 and args[-1] == expected_spb
+    assert func[1] == "trellis_ws" and block == tm.WS_THREADS == 768 and args[-1] == expected_spb
     assert grid == (1792 // 128, -(-8 // expected_spb), 1), "every (128 columns, split group, 128 rows)"
 
 

@@ -255,3 +255,25 @@ def test_direct_route_small_calls(qwen3_layer, monkeypatch):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(bits(out), bits(runner.run(x, ids, weights, torch.empty_like(out))))
+
+
+def test_warp_specialized_experts_give_mma_sync_bytes(qwen3_layer, monkeypatch):
+    """128-row route blocks on trellis_ws's mainloop (sm_90) against mma.sync, with a sparse residual stage."""
+    T, top_k, H, E = 300, QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
+    assert moe_mma.uses_ws(128, torch.device("cuda")), "the H200 runs 128-row route blocks warp-specialized"
+    g = torch.Generator(device="cuda").manual_seed(60)
+    quarter = torch.zeros(E, 3, device="cuda")
+    quarter[::4] = 0.1
+    layer = ExpertSet(qwen3_layer.gate, qwen3_layer.up, qwen3_layer.down, "silu",
+                      stages=[residual_stage(qwen3_layer, quarter, 2, "mcg", 61)])
+    x = (torch.randn(T, H, device="cuda", generator=g) / 32).half()
+    ids, weights = routing(T, E, top_k, 62)
+    outs = {}
+    for ws in ("0", "1"):
+        monkeypatch.setenv("EXL3MOE_MOE_WS", ws)
+        plan = moe_plan(layer, T, top_k, block_m=128, out_dtype=torch.float16)
+        assert plan.mma.ws == (ws == "1")
+        outs[ws] = torch.empty(T, H, device="cuda", dtype=torch.float16)
+        plan.bind(plan.allocate()).run(x, ids, weights, outs[ws])
+    assert torch.equal(bits(outs["0"]), bits(outs["1"]))
+    assert rel_l2(outs["1"], moe(x, layer, ids, weights)) < 2e-3

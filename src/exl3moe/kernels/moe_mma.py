@@ -12,9 +12,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+import os
+
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
-from .trellis_mma import CHUNK_K, chunk_splits, pair_scalar
+from .trellis_mma import CHUNK_K, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits, pair_scalar
 
 PREFETCH = 4
 CHUNK_KTILES, MIXED_KTILE_UNROLL = CHUNK_K // 16, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
@@ -41,6 +43,7 @@ class MoeMmaPlan:
     down_ktiles: int
     pre_rotate: bool  # gate/up inputs rotated once per position by moe_rotate_input, not in every column block
     direct: bool = False  # one block per slot, read from topk_ids (no route pack); down also combines
+    ws: bool = False  # gate/up's 128-row blocks warp-specialized (trellis_ws.cuh): WS_THREADS, dynamic smem
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -103,9 +106,22 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
                       direct)
 
 
+# Shared memory of a warp-specialized block: ring stages, alignment slack, two x chunks, the ring's barriers.
+WS_SHARED_BYTES = WS_STAGES * WS_STAGE_KTILES * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 2 * WS_STAGES * 8
+
+
+def uses_ws(block_m: int, device: torch.device) -> bool:
+    """128-row route blocks on the warp-specialized mainloop: sm_90 exactly (wgmma); EXL3MOE_MOE_WS=0 keeps
+    mma.sync. Both give the same bytes."""
+    return (block_m == 128 and os.environ.get("EXL3MOE_MOE_WS", "1") != "0" and device.type == "cuda"
+            and torch.cuda.get_device_capability(device) == (9, 0))
+
+
 def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (), direct: bool = False) -> MoeMmaPlan:
     """moe_mma_layout, with both kernels compiled for the layer's formats."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
+    if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
+        plan = replace(plan, ws=True)
     return replace(plan, gate_up_kernel=_kernel(plan, "moe_gate_up_mma", experts.device),
                    down_kernel=_kernel(plan, "moe_down_mma", experts.device),
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
@@ -123,10 +139,23 @@ def _dispatch(name: str, formats: tuple, mt: int, nt: int) -> str:
     return f"#define {name}(ACC, WORDS, KEY) switch (KEY) {{ {cases} }}\n"
 
 
+def _produce(name: str, formats: tuple) -> str:
+    cases = " ".join(f"case {4 * k2 + cb}: produce<{k2}, {cb}>(sh.ring, sh.full, sh.empty, WORDS, tiles_n, jt, kt0, "
+                     "kt1, warp, CURSOR); break;" for k2, cb in formats)
+    return f"#define {name}(WORDS, KEY, CURSOR) switch (KEY) {{ {cases} }}\n"
+
+
 def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     """(defines, prelude) that compile kernel `name` of moe_mma.cu for `plan`."""
-    mt, nt = plan.block_m // 16, 8 // plan.warps
     gate_up = name == "moe_gate_up_mma"
+    if plan.ws and gate_up:
+        prelude = (_produce("WS_PRODUCE_GATE_UP", tuple(sorted(set(plan.gate_up_formats) | set(plan.stage_formats))))
+                   + _produce("WS_PRODUCE_DOWN", ()))
+        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1), ("DIRECT_ROUTE", 0),
+                   ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1), ("STAGES", WS_STAGES),
+                   ("STAGE_KT", WS_STAGE_KTILES))
+        return defines, prelude
+    mt, nt = plan.block_m // 16, 8 // plan.warps
     empty = ()
     prelude = "".join([
         _dispatch("DISPATCH_GATE_UP", plan.gate_up_formats if gate_up else empty, mt, nt),
@@ -142,7 +171,8 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
 
 def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
     defines, prelude = kernel_source(plan, name)
-    return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude)
+    return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude,
+                        "a" if plan.ws and name == "moe_gate_up_mma" else "")
 
 
 def workspace_numels(plan: MoeMmaPlan, capacity: int, max_blocks: int, hidden: int, inter: int) -> dict:
@@ -174,12 +204,14 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     limit = float(tables.limit) if tables.limit is not None else 0.0
-    nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), plan.warps * 32,
+    threads = WS_THREADS if plan.ws else plan.warps * 32
+    nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), threads,
                  [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
                   sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2,
                   tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, partial, capacity, h_rot,
                   counters, plan.gate_up_ktiles, plan.gate_up_splits, ACTIVATIONS[tables.activation],
-                  int(tables.limit is not None), limit, x_rot, ids_64])
+                  int(tables.limit is not None), limit, x_rot, ids_64],
+                 shared=WS_SHARED_BYTES if plan.ws else 0)
 
 
 DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}

@@ -151,12 +151,16 @@ def rebuild_variants() -> tuple:
     return compiled, cached
 
 
-def source(file: str) -> str:
-    """kernels/cuda/`file` with its `#include "local.cuh"` lines replaced by those files' text."""
+def source(file: str, included: set | None = None) -> str:
+    """kernels/cuda/`file` with its `#include "local.cuh"` lines replaced by those files' text, each file once."""
+    included = set() if included is None else included
     lines = []
     for line in resources.files(__package__).joinpath("cuda", file).read_text().splitlines():
         if line.startswith('#include "'):
-            lines.append(source(line.split('"')[1]))
+            name = line.split('"')[1]
+            if name not in included:
+                included.add(name)
+                lines.append(source(name, included))
         elif line.strip() != "#pragma once":
             lines.append(line)
     return "\n".join(lines)

@@ -8,7 +8,19 @@
 // scale; the last of the 2 x splits arrivals applies both output Hadamards, svh and bias, the activation,
 // down's suh and input Hadamard, and stores h_rot[pos] fp16.
 // down: grid (route block, H / 128, splits); the last arrival writes y[slot] = Hn(sum) * svh + bias, fp32.
+// WS (sm_90a, 128-row route blocks, pre-rotated inputs, WARPS 24): the mainloops run warp-specialized on
+// trellis_ws.cuh, producers decoding through the prelude's WS_PRODUCE_* switches; the epilogues are the same.
 #include "trellis_core.cuh"
+#ifndef WS
+#define WS 0
+#endif
+#if WS
+#include "trellis_ws.cuh"
+static_assert(WARPS * 32 == WS_THREADS, "a warp-specialized block is its producers and consumers");
+#define KERNEL_BOUNDS __launch_bounds__(WARPS * 32, 1)   // one block per SM: setmaxnreg needs the entry count
+#else
+#define KERNEL_BOUNDS __launch_bounds__(WARPS * 32)
+#endif
 
 constexpr int BLOCK_M = 16 * MT;
 
@@ -128,12 +140,58 @@ __device__ __forceinline__ void rotate_chunk(unsigned short* dst, const unsigned
     for (int j = 0; j < 4; j++) dst[4 * lane + j] = float_to_half(v[j] * INV_SQRT_128);
 }
 
+#if WS
+// The warp-specialized mainloop of one (route block, 128 columns, k split): the consumer warps' accumulators of
+// rows [start, start + nrows) of x (row length `width`, pre-rotated) over k-tiles [kt0, kt1) times the trellis at
+// `index`, plus scale x residual of every stage with a nonzero scale, as add_stages computes them, go to
+// store(acc, row0) (row0: the warp's first row in the block); produce(words, key, cursor) decodes one trellis into
+// the ring. Both roles leave with the block's entry register count.
+template <class Produce, class Store>
+__device__ __forceinline__ void ws_mainloop(const WsShared& sh, const unsigned short* x, int start, int nrows,
+                                            int width, int kt0, int kt1, const u32* words, int key, int index,
+                                            int stride, int num_stages, const long long* __restrict__ addr,
+                                            const int* __restrict__ k2, const int* __restrict__ codebook,
+                                            const float* __restrict__ scale, Produce&& produce, Store&& store) {
+    const int warp = threadIdx.x >> 5, per_range = (kt1 - kt0) / STAGE_KT;
+    if (warp < PRODUCERS) {
+        role_registers<false, true>();
+        u32 cursor = 0;
+        produce(words, key, cursor);
+        for (int s = 0; s < num_stages; s++) {
+            const int i = s * stride + index;
+            if (scale[i] == 0.f) continue;
+            cursor += per_range;
+            produce(reinterpret_cast<const u32*>(addr[i]), k2[i] * 4 + codebook[i], cursor);
+        }
+        role_registers<false, false>();
+        return;
+    }
+    role_registers<true, true>();
+    WsAcc acc;
+    zero_acc(acc);
+    Consumer consumer(x, sh.xs, sh.ring, start, nrows, width);
+    consumer.stage_first(kt0);
+    consumer.run(acc, sh.full, sh.empty, kt0, kt1, -1);
+    for (int s = 0; s < num_stages; s++) {
+        const int i = s * stride + index;
+        const float f = scale[i];
+        if (f == 0.f) continue;
+        scale_acc(acc, 1.f / f);
+        consumer.stage_first(kt0);
+        consumer.run(acc, sh.full, sh.empty, kt0, kt1, -1);
+        scale_acc(acc, f);
+    }
+    store(acc, consumer_row0());
+    role_registers<true, false>();
+}
+#endif
+
 // x_rot[p, pos] = gate (p 0) or up (p 1) rotated input of every routed position: grid (route block, 2,
 // BLOCK_M / ROTATE_ROWS); each warp rotates (row, 128 inputs) items of the block's ROTATE_ROWS rows, two at a time.
 // The same bytes gate/up computes itself without PRE_ROTATED.
 constexpr int ROTATE_ROWS = 8;
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void KERNEL_BOUNDS
 moe_rotate_input(const unsigned short* __restrict__ x, int x_bf16, int stride_x,
                  const int* __restrict__ block_expert, const int* __restrict__ block_start,
                  const int* __restrict__ offsets, const int* __restrict__ sorted_slots, int top_k,
@@ -155,7 +213,7 @@ moe_rotate_input(const unsigned short* __restrict__ x, int x_bf16, int stride_x,
 
 __device__ __forceinline__ float bias_at(const float* bias, size_t i) { return bias != nullptr ? bias[i] : 0.f; }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void KERNEL_BOUNDS
 moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, const int* __restrict__ block_expert,
                 const int* __restrict__ block_start, const int* __restrict__ offsets,
                 const int* __restrict__ sorted_slots, int top_k, const long long* __restrict__ trellis_addr,
@@ -167,7 +225,9 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 int capacity, unsigned short* __restrict__ h_rot, int* __restrict__ counters, int ktiles_per_split,
                 int splits, int activation, int has_limit, float limit, const unsigned short* __restrict__ x_rot,
                 int ids_64) {
+#if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
+#endif
     const int b = blockIdx.x;
     int expert, start, nrows;
     if (!route_block(b, block_expert, block_start, offsets, ids_64, num_experts, expert, start, nrows)) return;
@@ -176,6 +236,21 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const int index = proj * num_experts + expert;
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[index]);
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
+    const size_t split_stride = (size_t)2 * capacity * inter;
+#if WS
+    extern __shared__ __align__(16) unsigned char smem[];
+    const WsShared sh(smem);
+    const int tiles_n = inter / 16, jt = cblock * 8 + warp % WS_TILES;
+    ws_mainloop(sh, x_rot + (size_t)proj * capacity * hidden, start, nrows, hidden, kt0, kt1,
+                reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
+                3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+                [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_GATE_UP(words, key, cursor) },
+                [&](const WsAcc& acc, int row0) {
+                    if (row0 < nrows)
+                        store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start + row0) *
+                                       inter, inter, nrows - row0, cblock * 8);
+                });
+#else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = inter / 16, mtiles = (nrows + 15) / 16;
 
     auto stage = [&](int c0) {
@@ -197,8 +272,8 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     DISPATCH_GATE_UP(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                [&](const u32* words, int key) { STAGE_DISPATCH_GATE_UP(acc, words, key) });
-    const size_t split_stride = (size_t)2 * capacity * inter;
     store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows, jt0);
+#endif
     if (!last_arrival(counters + b * (inter / 128) + cblock, 2 * splits)) return;
 
     const int c = cblock * 128 + 4 * lane;
@@ -225,7 +300,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void KERNEL_BOUNDS
 moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, const int* __restrict__ block_expert,
              const int* __restrict__ block_start, const int* __restrict__ offsets,
              const int* __restrict__ sorted_slots, const long long* __restrict__ trellis_addr,
@@ -238,7 +313,9 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
              int* token_counters, int top_k) {
     const Combine combine{ids, ids_64, weights, weights_dtype, shared_y, out, out_dtype, stride_out, token_counters,
                           top_k};
+#if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
+#endif
     const int b = blockIdx.x;
     int expert, start, nrows;
     if (!route_block(b, block_expert, block_start, offsets, combine.ids_64, num_experts, expert, start, nrows)) {
@@ -252,6 +329,21 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     const int cblock = blockIdx.y;
     const int index = 2 * num_experts + expert;
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
+    const size_t split_stride = (size_t)capacity * hidden;
+#if WS
+    extern __shared__ __align__(16) unsigned char smem[];
+    const WsShared sh(smem);
+    const int tiles_n = hidden / 16, jt = cblock * 8 + warp % WS_TILES;
+    ws_mainloop(sh, h_rot, start, nrows, inter, kt0, kt1, reinterpret_cast<const u32*>(trellis_addr[index]),
+                k2[index] * 4 + codebook[index], index, 3 * num_experts, num_stages, stage_addr, stage_k2,
+                stage_codebook, stage_scale,
+                [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_DOWN(words, key, cursor) },
+                [&](const WsAcc& acc, int row0) {
+                    if (row0 < nrows)
+                        store_partials(acc, part + split * split_stride + (size_t)(start + row0) * hidden, hidden,
+                                       nrows - row0, cblock * 8);
+                });
+#else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 
     auto stage = [&](int c0) { copy_rows(xs, h_rot, start, nrows, inter, c0); };  // h_rot rows: rotated input
@@ -260,8 +352,8 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     DISPATCH_DOWN(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                [&](const u32* words, int key) { STAGE_DISPATCH_DOWN(acc, words, key) });
-    const size_t split_stride = (size_t)capacity * hidden;
     store_partials(acc, part + split * split_stride + (size_t)start * hidden, hidden, nrows, jt0);
+#endif
     if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) return;
 
     const int c = cblock * 128 + 4 * lane;

@@ -302,9 +302,22 @@ __device__ __forceinline__ bool last_arrival(int* counter, int arrivals) {
     return last;
 }
 
-// v[j] += sum over s < splits, in order, of p[s * split_stride + j] (4 consecutive fp32, read through L2).
+// v[j] += sum over s < splits, in order, of p[s * split_stride + j] (4 consecutive fp32, read through L2); the
+// loads of SPLIT_BATCH splits are issued together, the additions stay in split order.
+constexpr int SPLIT_BATCH = 4;
 __device__ __forceinline__ void add_splits(float (&v)[4], const float* p, size_t split_stride, int splits) {
-    for (int s = 0; s < splits; s++) {
+    int s = 0;
+    for (; s + SPLIT_BATCH <= splits; s += SPLIT_BATCH) {
+        float4 q[SPLIT_BATCH];
+#pragma unroll
+        for (int b = 0; b < SPLIT_BATCH; b++)
+            q[b] = __ldcg(reinterpret_cast<const float4*>(p + (s + b) * split_stride));
+#pragma unroll
+        for (int b = 0; b < SPLIT_BATCH; b++) {
+            v[0] += q[b].x; v[1] += q[b].y; v[2] += q[b].z; v[3] += q[b].w;
+        }
+    }
+    for (; s < splits; s++) {
         const float4 q = __ldcg(reinterpret_cast<const float4*>(p + s * split_stride));
         v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
     }

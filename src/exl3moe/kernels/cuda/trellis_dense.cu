@@ -60,7 +60,8 @@ dense_epilogue(const float* __restrict__ y, const unsigned short* __restrict__ s
     hadamard128_warp(v, lane);
 #pragma unroll
     for (int j = 0; j < 4; j++) {
-        const float o = v[j] * INV_SQRT_128 * half_to_float(svh[c + j]) + (bias != nullptr ? half_to_float(bias[c + j]) : 0.f);
+        const float bias_j = bias != nullptr ? half_to_float(bias[c + j]) : 0.f;
+        const float o = v[j] * INV_SQRT_128 * half_to_float(svh[c + j]) + bias_j;
         if (out_dtype == 2) reinterpret_cast<float*>(out)[r * stride_out + c + j] = o;
         else if (out_dtype == 1) reinterpret_cast<unsigned short*>(out)[r * stride_out + c + j] = float_to_bf16(o);
         else reinterpret_cast<unsigned short*>(out)[r * stride_out + c + j] = float_to_half(o);

@@ -1,0 +1,261 @@
+// Warp-specialized trellis matmul for blocks of 128 rows on sm_90a (shared by trellis_ws.cu and moe_mma.cu):
+// producer warps decode the 8 n16 tiles of a 128-column block into a ring of shared-memory stages (the mma.sync B
+// fragments trellis_mma decodes, stored as wgmma core matrices), and two consumer warpgroups (64 rows x 128 columns
+// each) run two wgmma m64n64k16 per k-tile on them, with x staged by cp.async in the 128-byte swizzle. A k16 step
+// sums to the same bits on wgmma as on mma.sync, and every output element gets the same products in the same order
+// as in mma_mainloop. Compile-time (-D): PF (k-tiles of words prefetched per producer), STAGES (ring stages of
+// STAGE_KT k-tiles).
+#pragma once
+#include "trellis_core.cuh"
+
+constexpr int WS_ROWS = 128, WS_TILES = 8;
+constexpr int PRODUCERS = 16, K_TURNS = PRODUCERS / WS_TILES;   // the producers of a column take k-tiles in turn
+constexpr int CONSUMERS = 8;                            // two warpgroups
+constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
+#ifndef STAGE_KT
+#define STAGE_KT 4                                      // k-tiles per ring stage
+#endif
+constexpr int PF_STAGES = PF / STAGE_KT;               // stages of words prefetched
+static_assert((CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0, "a producer's stages of a chunk: whole prefetch rounds");
+constexpr int KTILE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
+constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
+constexpr u32 XS_BYTES = 32 * 1024;                    // one staged x chunk (128 rows x 128 inputs), 1024-aligned
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbar_init(u64* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+
+// Returns once the phase of parity `parity` of *bar has completed.
+__device__ __forceinline__ void mbar_wait(u64* bar, u32 parity) {
+    u32 done;
+    do {  // the time hint lets the warp sleep until the phase completes instead of polling
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 0x989680; "
+                     "selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    } while (!done);
+}
+
+// One arrival for the calling warp, from lane 0 (after a wgmma wait that covers every lane's reads).
+__device__ __forceinline__ void lane0_arrive(u64* bar) {
+    if ((threadIdx.x & 31) == 0)
+        asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(smem_addr(bar))
+                     : "memory");
+}
+
+// One arrival for the calling warp, after all its lanes' earlier shared-memory accesses.
+__device__ __forceinline__ void warp_arrive(u64* bar) {
+    __syncwarp();
+    lane0_arrive(bar);
+}
+
+// Register budgets per role: a block starts at ENTRY_REGS per thread, producers give some back and the consumer
+// warpgroups take them for their 64 accumulators; both return to ENTRY_REGS before code that every warp runs.
+constexpr int ENTRY_REGS = (65536 / WS_THREADS) & ~7, PRODUCER_REGS = 72, CONSUMER_REGS = 96;
+static_assert(PRODUCERS * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (PRODUCERS + CONSUMERS) * ENTRY_REGS,
+              "register budget of a block");
+template <bool consumer, bool begin>
+__device__ __forceinline__ void role_registers() {
+    if constexpr (consumer == begin)
+        asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(begin ? CONSUMER_REGS : ENTRY_REGS));
+    else
+        asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(begin ? PRODUCER_REGS : ENTRY_REGS));
+}
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
+
+// Producer warp p: tile column jt (the block's p % 8th) of the (2K, codebook) trellis `words`, ring stages
+// cursor + i for i = p / 8 (mod K_TURNS) of STAGE_KT k-tiles each (k-tiles kt_begin + STAGE_KT i + t), decoded into
+// ring stage (cursor + i) % STAGES; cursor counts the stages the block's earlier ranges used.
+template <int K2_, int CB_>
+__device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const u32* __restrict__ words, int tiles_n,
+                                       int jt, int kt_begin, int kt_end, int p, u32 cursor) {
+    using T = Trellis<K2_, CB_>;
+    const int lane = threadIdx.x & 31;
+    const int turn = p / WS_TILES, mine = (kt_end - kt_begin) / (STAGE_KT * K_TURNS);   // k ranges: whole chunks
+    const size_t k_tile = (size_t)tiles_n * T::WT, k_step = k_tile * STAGE_KT * K_TURNS;
+    WordStream<T> stream(words, jt, (kt_begin + STAGE_KT * turn) * k_tile);
+    const u32 sh = stream.shift;
+    u32 buf[PF_STAGES][STAGE_KT][T::NW];
+#pragma unroll
+    for (int q = 0; q < PF_STAGES; q++) {
+#pragma unroll
+        for (int t = 0; t < STAGE_KT; t++) stream.load(buf[q][t], t * k_tile);
+        if (q + 1 < mine) stream.advance(k_step);
+    }
+    for (int j0 = 0; j0 < mine; j0 += PF_STAGES) {
+#pragma unroll
+        for (int q = 0; q < PF_STAGES; q++) {
+            const int j = j0 + q;
+            const u32 i = cursor + j * K_TURNS + turn, s = i % STAGES;
+            u32 b[STAGE_KT][4];
+#pragma unroll
+            for (int t = 0; t < STAGE_KT; t++) {
+                T::decode_tile(buf[q][t], sh, b[t]);
+                stream.load(buf[q][t], t * k_tile);
+            }
+            if (j + PF_STAGES + 1 < mine) stream.advance(k_step);
+            mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
+            // Fragment b[t][f] of every lane is one 8 x 8 core matrix of k-tile t (n-octet 2 jt + f / 2, k-octet
+            // f % 2), 128 bytes.
+            u32* dst = ring + s * STAGE_U32 + (p % WS_TILES) * 128 + lane;
+#pragma unroll
+            for (int t = 0; t < STAGE_KT; t++)
+#pragma unroll
+                for (int f = 0; f < 4; f++) dst[t * KTILE_U32 + 32 * f] = b[t][f];
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
+            warp_arrive(full + s);
+        }
+    }
+}
+
+// Byte offset of (row, 16-byte piece p of its 128 inputs) in a staged chunk for wgmma's 128-byte swizzle: two
+// halves of 64 inputs, each 128 rows of 128 bytes whose pieces are permuted by row % 8 (1024-byte aligned).
+__device__ __forceinline__ u32 x_swizzled_offset(int row, int p) {
+    return (p >> 3) * (WS_ROWS * 128) + row * 128 + (((p & 7) ^ (row & 7)) << 4);
+}
+constexpr int XS_PASS_ROWS = CONSUMERS * 2;            // rows the consumer threads stage in one pass
+
+// Consumer thread ct's part of staging x: rows first_row + XS_PASS_ROWS i of the block, 8 inputs from column col.
+struct XStager {
+    const unsigned short* src;   // x row m0 + first_row, column col
+    u32 dst, row_step;           // shared address of (first_row, col) in a chunk buffer; a pass of rows of x, in bytes
+    int live;                    // rows first_row + XS_PASS_ROWS i with i < live exist
+
+    __device__ XStager(const unsigned short* x, unsigned short* xs, int m0, int block_rows, int stride_x, int ct) {
+        const int first_row = ct >> 4, col = (ct & 15) * 8;
+        dst = smem_addr(xs) + x_swizzled_offset(first_row, ct & 15);   // eight threads fill one 128-byte row
+        src = x + (size_t)(m0 + (first_row < block_rows ? first_row : 0)) * stride_x + col;
+        row_step = (u32)XS_PASS_ROWS * stride_x * 2u;
+        live = (block_rows - first_row + XS_PASS_ROWS - 1) / XS_PASS_ROWS;
+    }
+
+    // Chunk c0 (128 inputs from k-tile c0) into buffer buf; rows past the block read as 0.
+    __device__ __forceinline__ void stage(int c0, int buf) const {
+        const char* p = reinterpret_cast<const char*>(src + c0 * 16);
+        const u32 d = dst + buf * XS_BYTES;
+#pragma unroll
+        for (int i = 0; i < WS_ROWS / XS_PASS_ROWS; i++)
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d + i * XS_PASS_ROWS * 128),
+                         "l"(p + (i < live ? i * row_step : 0)), "r"(i < live ? 16 : 0) : "memory");
+        asm volatile("cp.async.commit_group;" ::: "memory");
+    }
+};
+
+// wgmma shared-memory descriptors (low word: start address, leading offset; high word: stride offset, layout).
+// Ring stages: K-major core matrices without swizzle, k-octets 128 bytes apart, column octets 256 bytes apart.
+__device__ __forceinline__ u32 ring_descriptor(u32 addr) { return ((addr >> 4) & 0x3FFF) | ((128 >> 4) << 16); }
+constexpr u32 RING_DESC_HI = 256 >> 4;
+// Staged x: 128-byte swizzle, row octets 1024 bytes apart.
+__device__ __forceinline__ u32 x_descriptor(u32 addr) { return ((addr >> 4) & 0x3FFF) | (1u << 16); }
+constexpr u32 X_DESC_HI = (1024 >> 4) | (1u << 30);
+
+// v[0..32) += A (k16 of 64 x rows at desc_a) x B (k16 x n64 at desc_b), one wgmma with both operands in shared
+// memory; v is the mma.sync accumulator layout of 4 n16 tiles.
+__device__ __forceinline__ void wgmma_64x64(float* v, u32 desc_a, u32 desc_b) {
+    u64 a, b;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(a) : "r"(desc_a), "r"(X_DESC_HI));
+    asm("mov.b64 %0, {%1, %2};" : "=l"(b) : "r"(desc_b), "r"(RING_DESC_HI));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
+                 "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "
+                 "%31}, %32, %33, 1, 1, 1, 0, 0;"
+                 : "+f"(v[0]), "+f"(v[1]), "+f"(v[2]), "+f"(v[3]), "+f"(v[4]), "+f"(v[5]), "+f"(v[6]), "+f"(v[7]),
+                 "+f"(v[8]), "+f"(v[9]), "+f"(v[10]), "+f"(v[11]), "+f"(v[12]), "+f"(v[13]), "+f"(v[14]),
+                 "+f"(v[15]), "+f"(v[16]), "+f"(v[17]), "+f"(v[18]), "+f"(v[19]), "+f"(v[20]), "+f"(v[21]),
+                 "+f"(v[22]), "+f"(v[23]), "+f"(v[24]), "+f"(v[25]), "+f"(v[26]), "+f"(v[27]), "+f"(v[28]),
+                 "+f"(v[29]), "+f"(v[30]), "+f"(v[31])
+                 : "l"(a), "l"(b));
+}
+
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+
+
+using WsAcc = float[1][8][2][4];   // a consumer thread's accumulators: 16 rows x 128 columns of its warp
+
+// The calling consumer warp's warpgroup c, from lane 0 so the compiler knows it is warp-uniform and keeps descriptor
+// arithmetic on uniform registers; c has block rows 64 c + [0, 64), and consumer_row0() is its warp's first of them.
+__device__ __forceinline__ int consumer_group() {
+    return __shfl_sync(0xffffffffu, ((threadIdx.x >> 5) - PRODUCERS) >> 2, 0);
+}
+__device__ __forceinline__ int consumer_row0() { return 64 * consumer_group() + 16 * ((threadIdx.x >> 5) & 3); }
+
+// A consumer warpgroup of a block: its 64 rows by the block's 128 columns. It walks the ring in order (st, phase)
+// and stages x chunks into alternating buffers (the caller stages a range's first chunk with stage_first).
+struct Consumer {
+    XStager stager;
+    u32 desc_x, desc_w, st, phase, held, chunk;
+
+    __device__ Consumer(const unsigned short* x, unsigned short* xs, u32* ring, int m0, int block_rows, int stride_x)
+        : stager(x, xs, m0, block_rows, stride_x, threadIdx.x - PRODUCERS * 32), st(0), phase(0), held(0), chunk(0) {
+        desc_x = x_descriptor(smem_addr(xs) + consumer_group() * 64 * 128);
+        desc_w = ring_descriptor(smem_addr(ring));
+    }
+
+    __device__ __forceinline__ void stage_first(int kt) const { stager.stage(kt, chunk & 1); }
+
+    // acc += x[:, k-tiles kt0..kt1) @ W of the ring's next stages; chunk next_kt (if >= 0) is staged meanwhile.
+    __device__ __forceinline__ void run(WsAcc& acc, u64* full, u64* empty, int kt0, int kt1, int next_kt) {
+        bool holding = false;
+        for (int c0 = kt0; c0 < kt1; c0 += CHUNK, chunk++) {
+            const u32 buf = chunk & 1, x_chunk = desc_x + buf * (XS_BYTES >> 4);
+            wgmma_wait<0>();   // the tensor cores are done reading the other buffer
+            asm volatile("cp.async.wait_group 0;" ::: "memory");            // this chunk's rows landed
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores
+            consumers_sync();  // every consumer's rows are in xs[buf], and none reads xs[buf ^ 1]
+            const int next = c0 + CHUNK < kt1 ? c0 + CHUNK : next_kt;
+            if (next >= 0) stager.stage(next, buf ^ 1);
+#pragma unroll
+            for (int q = 0; q < CHUNK / STAGE_KT; q++) {
+                mbar_wait(full + st, phase);
+                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                const u32 w_stage = desc_w + st * (STAGE_U32 * 4 >> 4);
+#pragma unroll
+                for (int t = 0; t < STAGE_KT; t++) {
+                    const u32 s = STAGE_KT * q + t;   // k-tile within the chunk
+                    const u32 a = x_chunk + (((s >> 2) * WS_ROWS * 128 + (s & 3) * 32) >> 4);
+                    const u32 b = w_stage + t * (KTILE_U32 * 4 >> 4);
+                    wgmma_64x64(&acc[0][0][0][0], a, b);
+                    wgmma_64x64(&acc[0][4][0][0], a, b + (8 * 256 >> 4));   // column octets 8..15
+                }
+                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                wgmma_wait<1>();   // the previous stage's wgmmas are done with it
+                if (holding) lane0_arrive(empty + held);
+                held = st;
+                holding = true;
+                if (++st == STAGES) {
+                    st = 0;
+                    phase ^= 1;
+                }
+            }
+        }
+        wgmma_wait<0>();
+        if (holding) lane0_arrive(empty + held);
+    }
+};
+
+// Shared memory of a warp-specialized block: the ring, two x chunk buffers (1024-byte aligned) and the ring's
+// full / empty barriers, then `extra` bytes for the caller; the barriers are initialised (call before any role).
+struct WsShared {
+    u32* ring;
+    unsigned short* xs;
+    u64 *full, *empty;
+    unsigned char* extra;
+
+    __device__ WsShared(unsigned char* smem) {
+        ring = reinterpret_cast<u32*>(smem);
+        unsigned char* xs_at = smem + STAGES * STAGE_U32 * 4;
+        xs_at += (1024 - (smem_addr(xs_at) & 1023)) & 1023;   // swizzle atoms start 1024-byte aligned
+        xs = reinterpret_cast<unsigned short*>(xs_at);
+        full = reinterpret_cast<u64*>(xs_at + 2 * XS_BYTES);
+        empty = full + STAGES;
+        extra = reinterpret_cast<unsigned char*>(empty + STAGES);
+        if (threadIdx.x == 0) {
+            for (int s = 0; s < STAGES; s++) {
+                mbar_init(full + s, WS_TILES);
+                mbar_init(empty + s, CONSUMERS);
+            }
+        }
+        __syncthreads();
+    }
+};
