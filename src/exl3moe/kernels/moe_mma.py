@@ -151,9 +151,9 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     if plan.ws and gate_up:
         prelude = (_produce("WS_PRODUCE_GATE_UP", tuple(sorted(set(plan.gate_up_formats) | set(plan.stage_formats))))
                    + _produce("WS_PRODUCE_DOWN", ()))
-        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1), ("DIRECT_ROUTE", 0),
-                   ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1), ("STAGES", WS_STAGES),
-                   ("STAGE_KT", WS_STAGE_KTILES))
+        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1),
+                   ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1),
+                   ("STAGES", WS_STAGES), ("STAGE_KT", WS_STAGE_KTILES))
         return defines, prelude
     mt, nt = plan.block_m // 16, 8 // plan.warps
     empty = ()
