@@ -302,19 +302,21 @@ __device__ __forceinline__ bool last_arrival(int* counter, int arrivals) {
     return last;
 }
 
-// v[j] += sum over s < splits, in order, of p[s * split_stride + j] (4 consecutive fp32, read through L2); the
-// loads of SPLIT_BATCH splits are issued together, the additions stay in split order.
-constexpr int SPLIT_BATCH = 4;
+// v[j] += sum over s < splits, in order, of p[s * split_stride + j] (4 consecutive fp32, read through L2). BATCH > 1
+// issues the loads of BATCH splits together, the additions still in split order (the same bytes); it changes how
+// ptxas allocates the rest of the kernel, so callers choose it per kernel.
+template <int BATCH = 1>
 __device__ __forceinline__ void add_splits(float (&v)[4], const float* p, size_t split_stride, int splits) {
     int s = 0;
-    for (; s + SPLIT_BATCH <= splits; s += SPLIT_BATCH) {
-        float4 q[SPLIT_BATCH];
+    if constexpr (BATCH > 1) {
+        for (; s + BATCH <= splits; s += BATCH) {
+            float4 q[BATCH];
 #pragma unroll
-        for (int b = 0; b < SPLIT_BATCH; b++)
-            q[b] = __ldcg(reinterpret_cast<const float4*>(p + (s + b) * split_stride));
+            for (int b = 0; b < BATCH; b++) q[b] = __ldcg(reinterpret_cast<const float4*>(p + (s + b) * split_stride));
 #pragma unroll
-        for (int b = 0; b < SPLIT_BATCH; b++) {
-            v[0] += q[b].x; v[1] += q[b].y; v[2] += q[b].z; v[3] += q[b].w;
+            for (int b = 0; b < BATCH; b++) {
+                v[0] += q[b].x; v[1] += q[b].y; v[2] += q[b].z; v[3] += q[b].w;
+            }
         }
     }
     for (; s < splits; s++) {
@@ -369,11 +371,13 @@ __device__ __forceinline__ void finish_group(Sum&& sum, const unsigned short* sv
 }
 
 // The last block of a (row block, 128 columns) group: finish_group over the sum of the splits of part, in order.
-template <int R>
+template <int R, int BATCH>
 __device__ __forceinline__ void reduce_group(const float* part, const unsigned short* svh, const unsigned short* bias,
                                              void* out, int out_dtype, int rows, int n, int m0, int block_rows,
                                              int group_col, int stride_out, int splits, int warps) {
     const int c = group_col + 4 * (threadIdx.x & 31);
-    auto sum = [&](float (&v)[4], int r) { add_splits(v, part + (size_t)(m0 + r) * n + c, (size_t)rows * n, splits); };
+    auto sum = [&](float (&v)[4], int r) {
+        add_splits<BATCH>(v, part + (size_t)(m0 + r) * n + c, (size_t)rows * n, splits);
+    };
     finish_group<R>(sum, svh, bias, out, out_dtype, m0, block_rows, group_col, stride_out, warps);
 }

@@ -68,6 +68,6 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
         return;
     }
     if (!last_arrival(counters + blockIdx.z * (n / 128) + blockIdx.x, gridDim.y)) return;
-    reduce_group<R>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, blockIdx.x * 128, stride_out, splits,
+    reduce_group<R, 4>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, blockIdx.x * 128, stride_out, splits,
                     WARPS_ALL);
 }
