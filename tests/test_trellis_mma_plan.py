@@ -64,7 +64,8 @@ def test_moe_mma_layout_covers_every_projection_and_stage_format():
                    for k2, cb in plan.down_formats)
     assert len(formats_up_to(8)) == 15 and (3, 0) not in formats_up_to(8) and (3, 2) in formats_up_to(8)
     assert formats_up_to(0) == ()
-    assert formats_up_to(4, ("mcg",)) == ((2, 1), (4, 1)) and formats_up_to(3, ("mul1", "mcg")) == ((2, 1), (2, 2), (3, 2))
+    assert formats_up_to(4, ("mcg",)) == ((2, 1), (4, 1))
+    assert formats_up_to(3, ("mul1", "mcg")) == ((2, 1), (2, 2), (3, 2))
 
 def test_decode_variants_follow_block_rows_and_format_count():
     from helpers import random_experts
@@ -100,10 +101,12 @@ def test_warp_specialized_kernel_takes_every_weight_from_the_row_threshold(monke
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    rows, large = tm.WS_MIN_ROWS, tm.WS_MIN_ROWS_LARGE
-    assert tm.uses_ws(rows, 4096, 1408, cuda) and tm.uses_ws(128, 2048, 768, cuda) and tm.uses_ws(large, 4096, 14336, cuda)
-    assert not tm.uses_ws(rows - 1, 4096, 1408, cuda), "fewer rows stay on trellis_mma"
-    assert not tm.uses_ws(large - 1, 14336, 4096, cuda), "large weights from more rows"
+    rows, mid, large = tm.WS_MIN_ROWS, tm.WS_MIN_ROWS_MID, tm.WS_MIN_ROWS_LARGE
+    assert tm.uses_ws(rows, 768, 2048, cuda) and tm.uses_ws(mid, 4096, 1408, cuda)
+    assert tm.uses_ws(large, 4096, 14336, cuda)
+    assert not tm.uses_ws(rows - 1, 768, 2048, cuda), "fewer rows stay on trellis_mma"
+    assert not tm.uses_ws(mid - 1, 1408, 4096, cuda), "mid-size weights from more rows"
+    assert not tm.uses_ws(large - 1, 14336, 4096, cuda), "large weights from more rows still"
     assert not tm.uses_ws(128, 2048, 768, torch.device("cpu"))
     monkeypatch.setenv("EXL3MOE_WS", "0")
     assert not tm.uses_ws(128, 2048, 768, cuda)

@@ -2,7 +2,8 @@
 
 For few rows the kernel also rotates x (fuses_rotation); above, x comes rotated (fp16) from rotate_input.
 Splits write fp32 partials and the last block of each 128-column group reduces them in split order and
-applies the output Hadamard, svh and bias. The k split depends on (k, n) only, so a row's bytes never depend on the batch.
+applies the output Hadamard, svh and bias. The k split depends on (k, n) only, so a row's bytes never depend on the
+batch.
 """
 
 from __future__ import annotations
@@ -132,14 +133,16 @@ OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 WS_STAGES, WS_STAGE_KTILES, WS_THREADS = 3, 4, 768  # trellis_ws: ring stages of 4 k-tiles; 16 + 8 warps
 # trellis_ws's dynamic shared memory: ring stages, alignment slack, two x chunks, the running sum, the barriers.
 WS_SHARED_BYTES = WS_STAGES * WS_STAGE_KTILES * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 128 * 136 * 4 + 2 * WS_STAGES * 8
-WS_MIN_ROWS, WS_MIN_ROWS_LARGE = 32, 64  # calls from this many rows (x rotated) run on trellis_ws: small, large weights
+# Calls from this many rows (x rotated) run on trellis_ws: weights under MID_WEIGHT entries, under SMALL_WEIGHT, larger.
+WS_MIN_ROWS, WS_MIN_ROWS_MID, WS_MIN_ROWS_LARGE, MID_WEIGHT = 32, 33, 64, 1 << 22
 
 
 def uses_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
     """Whether a call of `rows` (<= 128) pre-rotated rows runs on the warp-specialized kernel (sm_90 exactly: it
     uses wgmma; EXL3MOE_WS=0 keeps trellis_mma, EXL3MOE_WS_MIN_ROWS moves the row threshold). Both kernels give the
     same bytes, so the choice may depend on anything."""
-    default = WS_MIN_ROWS if k * n < SMALL_WEIGHT else WS_MIN_ROWS_LARGE
+    weights = k * n
+    default = WS_MIN_ROWS if weights < MID_WEIGHT else WS_MIN_ROWS_MID if weights < SMALL_WEIGHT else WS_MIN_ROWS_LARGE
     min_rows = int(os.environ.get("EXL3MOE_WS_MIN_ROWS") or default)
     return (os.environ.get("EXL3MOE_WS", "1") != "0" and rows >= min_rows and device.type == "cuda"
             and torch.cuda.get_device_capability(device) == (9, 0))
@@ -177,7 +180,8 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
 
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
-                tiles: MmaTiles, prefetch: int = PREFETCH, nt: int | None = None, mt: int | None = None) -> torch.Tensor:
+                tiles: MmaTiles, prefetch: int = PREFETCH, nt: int | None = None,
+                mt: int | None = None) -> torch.Tensor:
     """out [rows, n] = Hn(x_rot @ W_inner) * svh + bias, x_rot = Hn(x * suh) rotated here when
     fuses_rotation(rows, k, n), else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch.
     prefetch, nt and mt override the planned variant (for probes)."""
