@@ -45,7 +45,7 @@ def main(args):
     if args.direct_max_slots is not None:
         moe_mma.DIRECT_MAX_SLOTS = args.direct_max_slots
     for T in ([3] if args.dry_run else args.tokens):
-        plan = moe_plan(layer, T, top_k, block_m=args.block_m)
+        plan = moe_plan(layer, T, top_k, block_m=args.block_m, slot_capacity=args.slot_capacity)
         runner = plan.bind(plan.allocate())
         x = (torch.randn(T, hidden_size, device=device, generator=gen) * 0.03).half()
         if args.dry_run:
@@ -79,6 +79,7 @@ if __name__ == "__main__":
     ap.add_argument("--codebook", default="mcg")
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024])
     ap.add_argument("--block-m", type=int, default=None, help="route-block rows (default: the plan's choice)")
+    ap.add_argument("--slot-capacity", type=int, default=None, help="workspace slots per chunk (moe_plan's)")
     ap.add_argument("--target-warps", type=int, default=None, help="CUDA experts' split target (moe_mma.TARGET_WARPS)")
     ap.add_argument("--direct-max-slots", type=int, default=None, help="moe_mma.DIRECT_MAX_SLOTS (0: always pack)")
     ap.add_argument("--dry-run", action="store_true")
