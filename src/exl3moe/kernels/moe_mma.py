@@ -8,15 +8,15 @@ Splits come from the plan's shape (max slots, E, H, I), never from the data, so 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 
 import torch
 
-import os
-
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
-from .trellis_mma import CHUNK_K, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits, pair_scalar
+from .trellis_mma import (CHUNK_K, WS_RING_SHARED_BYTES, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits,
+                          pair_scalar)
 
 PREFETCH = 4
 CHUNK_KTILES, MIXED_KTILE_UNROLL = CHUNK_K // 16, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
@@ -106,8 +106,7 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
                       direct)
 
 
-# Shared memory of a warp-specialized block: ring stages, alignment slack, two x chunks, the ring's barriers.
-WS_SHARED_BYTES = WS_STAGES * WS_STAGE_KTILES * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 2 * WS_STAGES * 8
+WS_SHARED_BYTES = WS_RING_SHARED_BYTES  # a warp-specialized gate/up block: trellis_ws.cuh's shared memory alone
 
 
 def uses_ws(block_m: int, device: torch.device) -> bool:
@@ -149,8 +148,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     """(defines, prelude) that compile kernel `name` of moe_mma.cu for `plan`."""
     gate_up = name == "moe_gate_up_mma"
     if plan.ws and gate_up:
-        prelude = (_produce("WS_PRODUCE_GATE_UP", tuple(sorted(set(plan.gate_up_formats) | set(plan.stage_formats))))
-                   + _produce("WS_PRODUCE_DOWN", ()))
+        prelude = _produce("WS_PRODUCE_GATE_UP", tuple(sorted(set(plan.gate_up_formats) | set(plan.stage_formats))))
         defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1),
                    ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1),
                    ("STAGES", WS_STAGES), ("STAGE_KT", WS_STAGE_KTILES))

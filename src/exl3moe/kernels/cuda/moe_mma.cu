@@ -8,8 +8,9 @@
 // scale; the last of the 2 x splits arrivals applies both output Hadamards, svh and bias, the activation,
 // down's suh and input Hadamard, and stores h_rot[pos] fp16.
 // down: grid (route block, H / 128, splits); the last arrival writes y[slot] = Hn(sum) * svh + bias, fp32.
-// WS (sm_90a, 128-row route blocks, pre-rotated inputs, WARPS 24): the mainloops run warp-specialized on
-// trellis_ws.cuh, producers decoding through the prelude's WS_PRODUCE_* switches; the epilogues are the same.
+// WS (sm_90a, 128-row route blocks, pre-rotated inputs, WARPS 24): a module of gate/up alone, its mainloop
+// warp-specialized on trellis_ws.cuh with producers decoding through the prelude's WS_PRODUCE_GATE_UP switch; the
+// epilogue is the same.
 #include "trellis_core.cuh"
 #ifndef WS
 #define WS 0
@@ -186,6 +187,7 @@ __device__ __forceinline__ void ws_mainloop(const WsShared& sh, const unsigned s
 }
 #endif
 
+#if !WS
 // x_rot[p, pos] = gate (p 0) or up (p 1) rotated input of every routed position: grid (route block, 2,
 // BLOCK_M / ROTATE_ROWS); each warp rotates (row, 128 inputs) items of the block's ROTATE_ROWS rows, two at a time.
 // The same bytes gate/up computes itself without PRE_ROTATED.
@@ -210,6 +212,8 @@ moe_rotate_input(const unsigned short* __restrict__ x, int x_bf16, int stride_x,
                      x + (size_t)(sorted_slots[start + r0 + r] / top_k) * stride_x, x_bf16, suh, chunk * 8, lane);
     }
 }
+
+#endif
 
 __device__ __forceinline__ float bias_at(const float* bias, size_t i) { return bias != nullptr ? bias[i] : 0.f; }
 
@@ -300,6 +304,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     }
 }
 
+#if !WS
 extern "C" __global__ void KERNEL_BOUNDS
 moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, const int* __restrict__ block_expert,
              const int* __restrict__ block_start, const int* __restrict__ offsets,
@@ -313,9 +318,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
              int* token_counters, int top_k) {
     const Combine combine{ids, ids_64, weights, weights_dtype, shared_y, out, out_dtype, stride_out, token_counters,
                           top_k};
-#if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
-#endif
     const int b = blockIdx.x;
     int expert, start, nrows;
     if (!route_block(b, block_expert, block_start, offsets, combine.ids_64, num_experts, expert, start, nrows)) {
@@ -330,20 +333,6 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     const int index = 2 * num_experts + expert;
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
     const size_t split_stride = (size_t)capacity * hidden;
-#if WS
-    extern __shared__ __align__(16) unsigned char smem[];
-    const WsShared sh(smem);
-    const int tiles_n = hidden / 16, jt = cblock * 8 + warp % WS_TILES;
-    ws_mainloop(sh, h_rot, start, nrows, inter, kt0, kt1, reinterpret_cast<const u32*>(trellis_addr[index]),
-                k2[index] * 4 + codebook[index], index, 3 * num_experts, num_stages, stage_addr, stage_k2,
-                stage_codebook, stage_scale,
-                [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_DOWN(words, key, cursor) },
-                [&](const WsAcc& acc, int row0) {
-                    if (row0 < nrows)
-                        store_partials(acc, part + split * split_stride + (size_t)(start + row0) * hidden, hidden,
-                                       nrows - row0, cblock * 8);
-                });
-#else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 
     auto stage = [&](int c0) { copy_rows(xs, h_rot, start, nrows, inter, c0); };  // h_rot rows: rotated input
@@ -353,7 +342,6 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                [&](const u32* words, int key) { STAGE_DISPATCH_DOWN(acc, words, key) });
     store_partials(acc, part + split * split_stride + (size_t)start * hidden, hidden, nrows, jt0);
-#endif
     if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) return;
 
     const int c = cblock * 128 + 4 * lane;
@@ -372,3 +360,4 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
 #endif
 }
+#endif
