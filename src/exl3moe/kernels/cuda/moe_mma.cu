@@ -137,8 +137,9 @@ __device__ __forceinline__ void rotate_chunk(unsigned short* dst, const unsigned
 #pragma unroll
     for (int j = 0; j < 4; j++) v[j] = input_to_float(xr[c + j], x_bf16) * half_to_float(suh[c + j]);
     hadamard128_warp(v, lane);
-#pragma unroll
-    for (int j = 0; j < 4; j++) dst[4 * lane + j] = float_to_half(v[j] * INV_SQRT_128);
+    const u32 lo = float_to_half(v[0] * INV_SQRT_128) | (u32)float_to_half(v[1] * INV_SQRT_128) << 16;
+    const u32 hi = float_to_half(v[2] * INV_SQRT_128) | (u32)float_to_half(v[3] * INV_SQRT_128) << 16;
+    *reinterpret_cast<uint2*>(dst + 4 * lane) = make_uint2(lo, hi);   // dst: a workspace row, 8-byte aligned
 }
 
 #if WS
@@ -205,11 +206,19 @@ moe_rotate_input(const unsigned short* __restrict__ x, int x_bf16, int stride_x,
     const int r0 = blockIdx.z * ROTATE_ROWS, rows = min(ROTATE_ROWS, nrows - r0), chunks = hidden / 128;
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[proj * num_experts + expert]);
     unsigned short* dst = x_rot + ((size_t)proj * capacity + start + r0) * hidden;
+    // slot / top_k as a multiply-high: exact for slots below 2^32 / top_k
+    const u32 magic = top_k > 1 ? 0xffffffffu / (u32)top_k + 1u : 0u;
+    int r = warp / chunks, chunk = warp % chunks;   // item (r, chunk) = warp + WARPS i, stepped without division
 #pragma unroll 2
-    for (int i = warp; i < rows * chunks; i += WARPS) {
-        const int r = i / chunks, chunk = i % chunks;
-        rotate_chunk(dst + (size_t)r * hidden + chunk * 128,
-                     x + (size_t)(sorted_slots[start + r0 + r] / top_k) * stride_x, x_bf16, suh, chunk * 8, lane);
+    for (; r < rows; r += WARPS / chunks, chunk += WARPS % chunks) {
+        if (chunk >= chunks) {
+            chunk -= chunks;
+            r++;
+            if (r >= rows) break;
+        }
+        const u32 slot = sorted_slots[start + r0 + r], token = magic ? __umulhi(slot, magic) : slot;
+        rotate_chunk(dst + (size_t)r * hidden + chunk * 128, x + (size_t)token * stride_x, x_bf16, suh, chunk * 8,
+                     lane);
     }
 }
 

@@ -176,11 +176,11 @@ __device__ __forceinline__ void hadamard128_warp(float (&v)[4], int lane) {
     v[0] = a0 + a2; v[1] = a1 + a3; v[2] = a0 - a2; v[3] = a1 - a3;
 #pragma unroll
     for (int m = 1; m < 32; m <<= 1) {
-        const bool upper = lane & m;
+        const float sign = lane & m ? -1.f : 1.f;   // upper lanes: other - v; one rounding either way, as an add
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const float other = __shfl_xor_sync(0xffffffffu, v[j], m);
-            v[j] = upper ? other - v[j] : v[j] + other;
+            v[j] = __fmaf_rn(v[j], sign, other);
         }
     }
 }
