@@ -8,6 +8,7 @@ Splits come from the plan's shape (max slots, E, H, I), never from the data, so 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -44,6 +45,7 @@ class MoeMmaPlan:
     pre_rotate: bool  # gate/up inputs rotated once per position by moe_rotate_input, not in every column block
     direct: bool = False  # one block per slot, read from topk_ids (no route pack); down also combines
     ws: bool = False  # gate/up's 128-row blocks warp-specialized (trellis_ws.cuh): WS_THREADS, dynamic smem
+    ws_down: bool = False  # down persistent and warp-specialized (moe_down_ws; single-split plans): no partials
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -120,9 +122,9 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
     """moe_mma_layout, with both kernels compiled for the layer's formats."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
     if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
-        plan = replace(plan, ws=True)
+        plan = replace(plan, ws=True, ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0")
     return replace(plan, gate_up_kernel=_kernel(plan, "moe_gate_up_mma", experts.device),
-                   down_kernel=_kernel(plan, "moe_down_mma", experts.device),
+                   down_kernel=_kernel(plan, "moe_down_ws" if plan.ws_down else "moe_down_mma", experts.device),
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
 
 
@@ -147,8 +149,10 @@ def _produce(name: str, formats: tuple) -> str:
 def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     """(defines, prelude) that compile kernel `name` of moe_mma.cu for `plan`."""
     gate_up = name == "moe_gate_up_mma"
-    if plan.ws and gate_up:
-        prelude = _produce("WS_PRODUCE_GATE_UP", tuple(sorted(set(plan.gate_up_formats) | set(plan.stage_formats))))
+    if plan.ws and (gate_up or name == "moe_down_ws"):
+        formats = plan.gate_up_formats if gate_up else plan.down_formats
+        prelude = _produce("WS_PRODUCE_GATE_UP" if gate_up else "WS_PRODUCE_DOWN",
+                           tuple(sorted(set(formats) | set(plan.stage_formats))))
         defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1),
                    ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1),
                    ("STAGES", WS_STAGES), ("STAGE_KT", WS_STAGE_KTILES))
@@ -170,15 +174,16 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
 def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
     defines, prelude = kernel_source(plan, name)
     return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude,
-                        "a" if plan.ws and name == "moe_gate_up_mma" else "")
+                        "a" if plan.ws and name in ("moe_gate_up_mma", "moe_down_ws") else "")
 
 
 def workspace_numels(plan: MoeMmaPlan, capacity: int, max_blocks: int, hidden: int, inter: int) -> dict:
     """Elements of the fp32 partials of gate/up and down, the int32 arrival counters (zeroed once; kernels reset
     them) and the pre-rotated fp16 inputs."""
     return {"gate_up_partial": plan.gate_up_splits * 2 * capacity * inter,
-            "down_partial": plan.down_splits * capacity * hidden,
-            "gate_up_counters": max_blocks * (inter // 128), "down_counters": max_blocks * (hidden // 128),
+            "down_partial": 0 if plan.ws_down else plan.down_splits * capacity * hidden,
+            "gate_up_counters": max_blocks * (inter // 128),
+            "down_counters": 0 if plan.ws_down else max_blocks * (hidden // 128),
             "x_rot": 2 * capacity * hidden if plan.pre_rotate else 0}
 
 
@@ -212,6 +217,11 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
                  shared=WS_SHARED_BYTES if plan.ws else 0)
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 
@@ -225,6 +235,12 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
                     token_counters, ids.shape[1] if ids is not None else 1]
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
+    if plan.ws_down:
+        nvrtc.launch(plan.down_kernel, (min(grid_blocks * (H // 128), _sm_count(h_rot.device)), 1, 1), WS_THREADS,
+                     [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr,
+                      tables.svh_addr, tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I,
+                      grid_blocks], shared=WS_SHARED_BYTES)
+        return
     nvrtc.launch(plan.down_kernel, (grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,
                   tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I, partial, capacity,

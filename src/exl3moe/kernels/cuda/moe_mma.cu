@@ -143,46 +143,63 @@ __device__ __forceinline__ void rotate_chunk(unsigned short* dst, const unsigned
 }
 
 #if WS
-// The warp-specialized mainloop of one (route block, 128 columns, k split): the consumer warps' accumulators of
-// rows [start, start + nrows) of x (row length `width`, pre-rotated) over k-tiles [kt0, kt1) times the trellis at
-// `index`, plus scale x residual of every stage with a nonzero scale, as add_stages computes them, go to
-// store(acc, row0) (row0: the warp's first row in the block); produce(words, key, cursor) decodes one trellis into
-// the ring. Both roles leave with the block's entry register count.
-template <class Produce, class Store>
-__device__ __forceinline__ void ws_mainloop(const WsShared& sh, const unsigned short* x, int start, int nrows,
-                                            int width, int kt0, int kt1, const u32* words, int key, int index,
-                                            int stride, int num_stages, const long long* __restrict__ addr,
-                                            const int* __restrict__ k2, const int* __restrict__ codebook,
-                                            const float* __restrict__ scale, Produce&& produce, Store&& store) {
-    const int warp = threadIdx.x >> 5, per_range = (kt1 - kt0) / STAGE_KT;
-    if (warp < PRODUCERS) {
-        role_registers<false, true>();
-        u32 cursor = 0;
-        produce(words, key, cursor);
-        for (int s = 0; s < num_stages; s++) {
-            const int i = s * stride + index;
-            if (scale[i] == 0.f) continue;
-            cursor += per_range;
-            produce(reinterpret_cast<const u32*>(addr[i]), k2[i] * 4 + codebook[i], cursor);
-        }
-        role_registers<false, false>();
-        return;
+// Producer side of one work item: the trellis at `index` over k-tiles [kt0, kt1), then each stage with a nonzero
+// scale, each a ring range further on (per_range stages); cursor ends past the item.
+template <class Produce>
+__device__ __forceinline__ void ws_produce_item(const u32* words, int key, int index, int stride, int num_stages,
+                                                const long long* __restrict__ addr, const int* __restrict__ k2,
+                                                const int* __restrict__ codebook, const float* __restrict__ scale,
+                                                int per_range, u32& cursor, Produce&& produce) {
+    produce(words, key, cursor);
+    cursor += per_range;
+    for (int s = 0; s < num_stages; s++) {
+        const int i = s * stride + index;
+        if (scale[i] == 0.f) continue;
+        produce(reinterpret_cast<const u32*>(addr[i]), k2[i] * 4 + codebook[i], cursor);
+        cursor += per_range;
     }
-    role_registers<true, true>();
-    WsAcc acc;
+}
+
+// Consumer side of one work item: acc = the consumer's rows of x times the item's trellis over k-tiles [kt0, kt1),
+// plus scale x residual of every stage with a nonzero scale, as add_stages computes them.
+__device__ __forceinline__ void ws_consume_item(WsAcc& acc, Consumer& consumer, const WsShared& sh, int kt0, int kt1,
+                                                int index, int stride, int num_stages,
+                                                const float* __restrict__ scale) {
     zero_acc(acc);
-    Consumer consumer(x, sh.xs, sh.ring, start, nrows, width);
     consumer.stage_first(kt0);
     consumer.run(acc, sh.full, sh.empty, kt0, kt1, -1);
     for (int s = 0; s < num_stages; s++) {
-        const int i = s * stride + index;
-        const float f = scale[i];
+        const float f = scale[s * stride + index];
         if (f == 0.f) continue;
         scale_acc(acc, 1.f / f);
         consumer.stage_first(kt0);
         consumer.run(acc, sh.full, sh.empty, kt0, kt1, -1);
         scale_acc(acc, f);
     }
+}
+
+// The warp-specialized mainloop of one (route block, 128 columns, k split): the consumer warps' accumulators of
+// rows [start, start + nrows) of x (row length `width`, pre-rotated) over k-tiles [kt0, kt1) go to store(acc, row0)
+// (row0: the warp's first row in the block); produce(words, key, cursor) decodes one trellis into the ring. Both
+// roles leave with the block's entry register count.
+template <class Produce, class Store>
+__device__ __forceinline__ void ws_mainloop(const WsShared& sh, const unsigned short* x, int start, int nrows,
+                                            int width, int kt0, int kt1, const u32* words, int key, int index,
+                                            int stride, int num_stages, const long long* __restrict__ addr,
+                                            const int* __restrict__ k2, const int* __restrict__ codebook,
+                                            const float* __restrict__ scale, Produce&& produce, Store&& store) {
+    if ((threadIdx.x >> 5) < PRODUCERS) {
+        role_registers<false, true>();
+        u32 cursor = 0;
+        ws_produce_item(words, key, index, stride, num_stages, addr, k2, codebook, scale, (kt1 - kt0) / STAGE_KT,
+                        cursor, produce);
+        role_registers<false, false>();
+        return;
+    }
+    role_registers<true, true>();
+    WsAcc acc;
+    Consumer consumer(x, sh.xs, sh.ring, start, nrows, width);
+    ws_consume_item(acc, consumer, sh, kt0, kt1, index, stride, num_stages, scale);
     store(acc, consumer_row0());
     role_registers<true, false>();
 }
@@ -226,6 +243,7 @@ moe_rotate_input(const unsigned short* __restrict__ x, int x_bf16, int stride_x,
 
 __device__ __forceinline__ float bias_at(const float* bias, size_t i) { return bias != nullptr ? bias[i] : 0.f; }
 
+#if !WS || defined(WS_PRODUCE_GATE_UP)
 extern "C" __global__ void KERNEL_BOUNDS
 moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, const int* __restrict__ block_expert,
                 const int* __restrict__ block_start, const int* __restrict__ offsets,
@@ -312,6 +330,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
         for (int j = 0; j < 4; j++) h_rot[(size_t)(start + r) * inter + c + j] = float_to_half(h[j] * INV_SQRT_128);
     }
 }
+#endif
 
 #if !WS
 extern "C" __global__ void KERNEL_BOUNDS
@@ -368,5 +387,75 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
 #if DIRECT_ROUTE
     combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
 #endif
+}
+#endif
+
+#if WS && defined(WS_PRODUCE_DOWN)
+// Down of every (route block, 128 columns) item of a single-split plan, persistent: block i takes items i, i + grid,
+// ... (item = route block x H / 128 + column block); producers decode on into the next item while the consumers
+// finish one from their accumulators (hadamard_rows), y[slot] = Hn(sum) * svh + bias, fp32: the bytes of
+// moe_down_mma's last arrival.
+extern "C" __global__ void KERNEL_BOUNDS
+moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, const int* __restrict__ block_expert,
+            const int* __restrict__ block_start, const int* __restrict__ offsets,
+            const int* __restrict__ sorted_slots, const long long* __restrict__ trellis_addr,
+            const long long* __restrict__ svh_addr, const int* __restrict__ k2, const int* __restrict__ codebook,
+            int num_stages, const long long* __restrict__ stage_addr, const int* __restrict__ stage_k2,
+            const int* __restrict__ stage_codebook, const float* __restrict__ stage_scale,
+            const float* __restrict__ bias, int num_experts, int hidden, int inter, int blocks) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const WsShared sh(smem);
+    const int warp = threadIdx.x >> 5, cblocks = hidden / 128, items = blocks * cblocks;
+    const int kt0 = 0, kt1 = inter / 16, tiles_n = hidden / 16, stride = 3 * num_experts;
+    if (warp < PRODUCERS) {
+        role_registers<false, true>();
+        u32 cursor = 0;
+        for (int item = blockIdx.x; item < items; item += gridDim.x) {
+            int expert, start, nrows;
+            if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
+                continue;
+            const int index = 2 * num_experts + expert, jt = (item % cblocks) * WS_TILES + warp % WS_TILES;
+            ws_produce_item(reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
+                            index, stride, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+                            kt1 / STAGE_KT, cursor,
+                            [&](const u32* words, int key, u32 at) { WS_PRODUCE_DOWN(words, key, at) });
+        }
+        role_registers<false, false>();
+        return;
+    }
+    role_registers<true, true>();
+    const int lane = threadIdx.x & 31, row0 = consumer_row0() + (lane >> 2), t4 = lane & 3;
+    Consumer consumer(h_rot, sh.xs, sh.ring, 0, 0, inter);
+    WsAcc acc;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        int expert, start, nrows;
+        if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
+            continue;
+        const int index = 2 * num_experts + expert, c0 = (item % cblocks) * 128 + 2 * t4;
+        consumer.retarget(h_rot, sh.xs, start, nrows, inter);
+        ws_consume_item(acc, consumer, sh, kt0, kt1, index, stride, num_stages, stage_scale);
+        hadamard_rows(acc);
+        const unsigned short* svh = reinterpret_cast<const unsigned short*>(svh_addr[index]);
+        const float* down_bias = bias != nullptr ? bias + (size_t)expert * hidden : nullptr;
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = row0 + 8 * half;
+            if (r >= nrows) continue;
+            float* dst = y + (size_t)sorted_slots[start + r] * hidden;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int c = c0 + nt * 16 + h * 8;
+                    float o[2];
+#pragma unroll
+                    for (int j = 0; j < 2; j++)
+                        o[j] = acc[0][nt][h][2 * half + j] * INV_SQRT_128 * half_to_float(svh[c + j]) +
+                               bias_at(down_bias, c + j);
+                    *reinterpret_cast<float2*>(dst + c) = make_float2(o[0], o[1]);
+                }
+        }
+    }
+    role_registers<true, false>();
 }
 #endif

@@ -192,6 +192,12 @@ struct Consumer {
         desc_w = ring_descriptor(smem_addr(ring));
     }
 
+    // Stage the rows of another block from now on; the walk of the ring and of the x buffers carries on.
+    __device__ __forceinline__ void retarget(const unsigned short* x, unsigned short* xs, int m0, int block_rows,
+                                             int stride_x) {
+        stager = XStager(x, xs, m0, block_rows, stride_x, threadIdx.x - PRODUCERS * 32);
+    }
+
     __device__ __forceinline__ void stage_first(int kt) const { stager.stage(kt, chunk & 1); }
 
     // acc += x[:, k-tiles kt0..kt1) @ W of the ring's next stages; chunk next_kt (if >= 0) is staged meanwhile.
@@ -233,6 +239,54 @@ struct Consumer {
         if (holding) lane0_arrive(empty + held);
     }
 };
+
+// Each of the consumer thread's two rows (g and g + 8 of its warp) replaced by its unnormalised 128-point Hadamard,
+// with the roundings of hadamard128_warp on 0 + acc: butterflies over column bits 0..6 in that order, where column
+// 16 nt + 8 h + 2 (lane % 4) + e % 2 holds acc[0][nt][h][e], so bits 1 and 2 are across lanes.
+__device__ __forceinline__ void hadamard_rows(WsAcc& acc) {
+    auto& v = acc[0];
+    const int lane = threadIdx.x & 31;
+    auto butterfly = [](float& lo, float& hi) {
+        const float a = lo, b = hi;
+        lo = a + b;
+        hi = a - b;
+    };
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+#pragma unroll
+            for (int e = 0; e < 4; e++) v[nt][h][e] = 0.f + v[nt][h][e];
+            butterfly(v[nt][h][0], v[nt][h][1]);
+            butterfly(v[nt][h][2], v[nt][h][3]);
+        }
+#pragma unroll
+    for (int m = 1; m <= 2; m <<= 1) {
+        const float sign = lane & m ? -1.f : 1.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    const float other = __shfl_xor_sync(0xffffffffu, v[nt][h][e], m);
+                    v[nt][h][e] = __fmaf_rn(v[nt][h][e], sign, other);
+                }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) butterfly(v[nt][0][e], v[nt][1][e]);
+#pragma unroll
+    for (int m = 1; m < 8; m <<= 1)
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+            if (!(nt & m))
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) butterfly(v[nt][h][e], v[nt | m][h][e]);
+}
 
 // Shared memory of a warp-specialized block: the ring, two x chunk buffers (1024-byte aligned) and the ring's
 // full / empty barriers, then `extra` bytes for the caller; the barriers are initialised (call before any role).
