@@ -92,10 +92,18 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
         assert down[3][-10] is None, "the combine is its own launch"
 
 
-def test_moe_warp_specialized_launches(launches, monkeypatch):
+@pytest.mark.parametrize("persistent_gate_up", ["0", "1"])
+@pytest.mark.parametrize("single_split", [False, True])
+def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, persistent_gate_up):
+    """128-row plans on sm_90: gate/up on trellis_ws.cuh; single-split plans take the persistent down (and gate/up,
+    when opted in) over one block per SM, with the shared memory their kernels need."""
     from exl3moe.kernels import moe_mma
 
     monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
+    monkeypatch.setattr(moe_mma, "_sm_count", lambda device: 5)
+    monkeypatch.setenv("EXL3MOE_MOE_WS_GATE_UP", persistent_gate_up)
+    if single_split:
+        monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
     shared_bytes = []
     monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0: (
         launches.append((func, grid, block, args)), shared_bytes.append(shared)))
@@ -105,11 +113,16 @@ def test_moe_warp_specialized_launches(launches, monkeypatch):
     stage = random_stage(experts, torch.rand(8, 3, generator=g), K=2, codebook="mcg", generator=g)
     layer = type(experts)(experts.gate, experts.up, experts.down, "silu", None, [stage], "experts")
     plan = moe_plan(layer, 70, 2, block_m=128)
-    assert plan.mma.ws and plan.mma.pre_rotate
-    producers = plan.mma.gate_up_kernel[2]
+    mma = plan.mma
+    assert mma.ws and mma.pre_rotate
+    assert mma.ws_down == single_split and mma.ws_gate_up == (single_split and persistent_gate_up == "1")
+    assert (mma.down_splits == 1) == single_split
+    producers = mma.gate_up_kernel[2]
     assert "WS_PRODUCE_GATE_UP(WORDS, KEY, CURSOR) switch (KEY) { case" in producers
     assert "produce<4, 1>" in producers, "the stage's format is decoded by the same producers"
+    assert ("WS_PRODUCE_DOWN" in mma.down_kernel[2]) == single_split
     runner = plan.bind(plan.allocate())
+    assert ("mma_down_partial" in runner._ws) != single_split, "the persistent down keeps no partials"
     x = torch.randn(70, 256).half()
     ids = torch.randint(0, 8, (70, 2), generator=g, dtype=torch.int32)
     calls = runner.chunk_launches(x, ids, torch.rand(70, 2, generator=g), torch.empty(70, 256).half())
@@ -117,10 +130,14 @@ def test_moe_warp_specialized_launches(launches, monkeypatch):
         calls[name]()
     check(launches)
     for (func, grid, block, args), shared in zip(launches, shared_bytes):
-        ws = func[1] == "moe_gate_up_mma"  # down's short k range stays on mma.sync
-        expected = (moe_mma.WS_THREADS, moe_mma.WS_SHARED_BYTES) if ws else (plan.mma.warps * 32, 0)
-        assert (block, shared) == expected, func[1]
-    assert "WS_PRODUCE" not in plan.mma.down_kernel[2]
+        name = func[1]
+        if name in ("moe_gate_up_ws", "moe_down_ws"):
+            assert grid == (5, 1, 1) and block == moe_mma.WS_THREADS, name
+            assert shared == moe_mma.ws_shared_bytes(mma, name) <= 227 * 1024, name
+        elif name == "moe_gate_up_mma":
+            assert (block, shared) == (moe_mma.WS_THREADS, moe_mma.ws_shared_bytes(mma, name))
+        else:
+            assert (block, shared) == (mma.warps * 32, 0), name
 
 
 def test_linear_launches_match_the_kernel_signatures(launches):

@@ -16,7 +16,7 @@ import torch
 
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
-from .trellis_mma import (CHUNK_K, WS_RING_SHARED_BYTES, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits,
+from .trellis_mma import (CHUNK_K, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits, ws_ring_shared_bytes,
                           pair_scalar)
 
 PREFETCH = 4
@@ -45,7 +45,9 @@ class MoeMmaPlan:
     pre_rotate: bool  # gate/up inputs rotated once per position by moe_rotate_input, not in every column block
     direct: bool = False  # one block per slot, read from topk_ids (no route pack); down also combines
     ws: bool = False  # gate/up's 128-row blocks warp-specialized (trellis_ws.cuh): WS_THREADS, dynamic smem
+    ws_gate_up: bool = False  # gate/up persistent on ws (moe_gate_up_ws; single-split plans; opt-in): no partials
     ws_down: bool = False  # down persistent and warp-specialized (moe_down_ws; single-split plans): no partials
+    ws_stages: int = WS_STAGES  # ring stages of the warp-specialized kernels
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -108,7 +110,13 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
                       direct)
 
 
-WS_SHARED_BYTES = WS_RING_SHARED_BYTES  # a warp-specialized gate/up block: trellis_ws.cuh's shared memory alone
+WS_CONSUMER_THREADS = 256  # trellis_ws.cuh's CONSUMERS warps
+
+
+def ws_shared_bytes(plan: MoeMmaPlan, name: str) -> int:
+    """Dynamic shared memory of a warp-specialized kernel: trellis_ws.cuh's, plus each consumer thread's 64 gate
+    values for moe_gate_up_ws."""
+    return ws_ring_shared_bytes(plan.ws_stages) + (WS_CONSUMER_THREADS * 64 * 4 if name == "moe_gate_up_ws" else 0)
 
 
 def uses_ws(block_m: int, device: torch.device) -> bool:
@@ -122,8 +130,12 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
     """moe_mma_layout, with both kernels compiled for the layer's formats."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
     if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
-        plan = replace(plan, ws=True, ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0")
-    return replace(plan, gate_up_kernel=_kernel(plan, "moe_gate_up_mma", experts.device),
+        plan = replace(plan, ws=True,
+                       ws_gate_up=plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1",
+                       ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
+                       ws_stages=int(os.environ.get("EXL3MOE_MOE_WS_STAGES", WS_STAGES)))
+    gate_up = "moe_gate_up_ws" if plan.ws_gate_up else "moe_gate_up_mma"
+    return replace(plan, gate_up_kernel=_kernel(plan, gate_up, experts.device),
                    down_kernel=_kernel(plan, "moe_down_ws" if plan.ws_down else "moe_down_mma", experts.device),
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
 
@@ -148,14 +160,14 @@ def _produce(name: str, formats: tuple) -> str:
 
 def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     """(defines, prelude) that compile kernel `name` of moe_mma.cu for `plan`."""
-    gate_up = name == "moe_gate_up_mma"
+    gate_up = name in ("moe_gate_up_mma", "moe_gate_up_ws")
     if plan.ws and (gate_up or name == "moe_down_ws"):
         formats = plan.gate_up_formats if gate_up else plan.down_formats
         prelude = _produce("WS_PRODUCE_GATE_UP" if gate_up else "WS_PRODUCE_DOWN",
                            tuple(sorted(set(formats) | set(plan.stage_formats))))
         defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1),
                    ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1),
-                   ("STAGES", WS_STAGES), ("STAGE_KT", WS_STAGE_KTILES))
+                   ("STAGES", plan.ws_stages), ("STAGE_KT", WS_STAGE_KTILES))
         return defines, prelude
     mt, nt = plan.block_m // 16, 8 // plan.warps
     empty = ()
@@ -174,15 +186,15 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
 def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
     defines, prelude = kernel_source(plan, name)
     return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude,
-                        "a" if plan.ws and name in ("moe_gate_up_mma", "moe_down_ws") else "")
+                        "a" if plan.ws and name in ("moe_gate_up_mma", "moe_gate_up_ws", "moe_down_ws") else "")
 
 
 def workspace_numels(plan: MoeMmaPlan, capacity: int, max_blocks: int, hidden: int, inter: int) -> dict:
     """Elements of the fp32 partials of gate/up and down, the int32 arrival counters (zeroed once; kernels reset
     them) and the pre-rotated fp16 inputs."""
-    return {"gate_up_partial": plan.gate_up_splits * 2 * capacity * inter,
+    return {"gate_up_partial": 0 if plan.ws_gate_up else plan.gate_up_splits * 2 * capacity * inter,
             "down_partial": 0 if plan.ws_down else plan.down_splits * capacity * hidden,
-            "gate_up_counters": max_blocks * (inter // 128),
+            "gate_up_counters": 0 if plan.ws_gate_up else max_blocks * (inter // 128),
             "down_counters": 0 if plan.ws_down else max_blocks * (hidden // 128),
             "x_rot": 2 * capacity * hidden if plan.pre_rotate else 0}
 
@@ -207,6 +219,13 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     limit = float(tables.limit) if tables.limit is not None else 0.0
+    if plan.ws_gate_up:
+        nvrtc.launch(plan.gate_up_kernel, (min(grid_blocks * (I // 128), _sm_count(hidden.device)), 1, 1), WS_THREADS,
+                     [block_expert, block_start, offsets, tables.trellis_addr, tables.suh_addr, tables.svh_addr,
+                      tables.k2, tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, capacity, h_rot,
+                      ACTIVATIONS[tables.activation], int(tables.limit is not None), limit, x_rot, grid_blocks],
+                     shared=ws_shared_bytes(plan, "moe_gate_up_ws"))
+        return
     threads = WS_THREADS if plan.ws else plan.warps * 32
     nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), threads,
                  [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
@@ -214,7 +233,7 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
                   tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, partial, capacity, h_rot,
                   counters, plan.gate_up_ktiles, plan.gate_up_splits, ACTIVATIONS[tables.activation],
                   int(tables.limit is not None), limit, x_rot, ids_64],
-                 shared=WS_SHARED_BYTES if plan.ws else 0)
+                 shared=ws_shared_bytes(plan, "moe_gate_up_mma") if plan.ws else 0)
 
 
 @functools.lru_cache(maxsize=None)
@@ -239,7 +258,7 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
         nvrtc.launch(plan.down_kernel, (min(grid_blocks * (H // 128), _sm_count(h_rot.device)), 1, 1), WS_THREADS,
                      [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr,
                       tables.svh_addr, tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I,
-                      grid_blocks], shared=WS_SHARED_BYTES)
+                      grid_blocks], shared=ws_shared_bytes(plan, "moe_down_ws"))
         return
     nvrtc.launch(plan.down_kernel, (grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,

@@ -133,7 +133,11 @@ OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 WS_STAGES, WS_STAGE_KTILES, WS_THREADS = 3, 4, 768  # trellis_ws: ring stages of 4 k-tiles; 16 + 8 warps
 # trellis_ws.cuh's dynamic shared memory (WsShared): ring stages, alignment slack, two x chunks, the barriers; the
 # linear adds its running sum (128 rows of 136 fp32).
-WS_RING_SHARED_BYTES = WS_STAGES * WS_STAGE_KTILES * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 2 * WS_STAGES * 8
+def ws_ring_shared_bytes(stages: int = WS_STAGES) -> int:
+    return stages * WS_STAGE_KTILES * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 2 * stages * 8
+
+
+WS_RING_SHARED_BYTES = ws_ring_shared_bytes()
 WS_SHARED_BYTES = WS_RING_SHARED_BYTES + 128 * 136 * 4
 # Calls from this many rows (x rotated) run on trellis_ws: weights under MID_WEIGHT entries, under SMALL_WEIGHT, larger.
 WS_MIN_ROWS, WS_MIN_ROWS_MID, WS_MIN_ROWS_LARGE, MID_WEIGHT = 32, 33, 64, 1 << 22

@@ -390,6 +390,115 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
 }
 #endif
 
+#if WS && defined(WS_PRODUCE_GATE_UP)
+// Gate and up of every (route block, 128 columns) item of a single-split plan, persistent like moe_down_ws: the
+// consumers run gate, keep its finished values (Hn(sum) * svh + bias) in shared memory, run up, and write
+// h_rot[pos] = fp16(Hn(act(gate, up) * down's suh) / sqrt(128)): the bytes of moe_gate_up_mma's last arrival.
+constexpr int GATE_KEEP_FLOATS = CONSUMERS * 32 * 64;   // each consumer thread's 64 gate values, thread-major
+
+extern "C" __global__ void KERNEL_BOUNDS
+moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ block_start,
+               const int* __restrict__ offsets, const long long* __restrict__ trellis_addr,
+               const long long* __restrict__ suh_addr, const long long* __restrict__ svh_addr,
+               const int* __restrict__ k2, const int* __restrict__ codebook, int num_stages,
+               const long long* __restrict__ stage_addr, const int* __restrict__ stage_k2,
+               const int* __restrict__ stage_codebook, const float* __restrict__ stage_scale,
+               const float* __restrict__ bias, int num_experts, int hidden, int inter, int capacity,
+               unsigned short* __restrict__ h_rot, int activation, int has_limit, float limit,
+               const unsigned short* __restrict__ x_rot, int blocks) {
+    extern __shared__ __align__(16) unsigned char smem[];
+    const WsShared sh(smem);
+    const int warp = threadIdx.x >> 5, cblocks = inter / 128, items = blocks * cblocks;
+    const int kt0 = 0, kt1 = hidden / 16, tiles_n = inter / 16, stride = 3 * num_experts;
+    if (warp < PRODUCERS) {
+        role_registers<false, true>();
+        u32 cursor = 0;
+        for (int item = blockIdx.x; item < items; item += gridDim.x) {
+            int expert, start, nrows;
+            if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
+                continue;
+            const int jt = (item % cblocks) * WS_TILES + warp % WS_TILES;
+#pragma unroll 1
+            for (int proj = 0; proj < 2; proj++) {
+                const int index = proj * num_experts + expert;
+                ws_produce_item(reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
+                                index, stride, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+                                kt1 / STAGE_KT, cursor,
+                                [&](const u32* words, int key, u32 at) { WS_PRODUCE_GATE_UP(words, key, at) });
+            }
+        }
+        role_registers<false, false>();
+        return;
+    }
+    role_registers<true, true>();
+    const int lane = threadIdx.x & 31, row0 = consumer_row0() + (lane >> 2), t4 = lane & 3;
+    // Element k = 4 (2 nt + h) + e of a consumer thread: gate's in `keep`, up's in the x buffers once both
+    // warpgroups are done with them, k-major so each thread reads back only its own.
+    float* keep = reinterpret_cast<float*>(sh.extra) + (threadIdx.x - PRODUCERS * 32);
+    float* keep_up = reinterpret_cast<float*>(sh.xs) + (threadIdx.x - PRODUCERS * 32);
+    constexpr int KEEP_STEP = CONSUMERS * 32;
+    Consumer consumer(x_rot, sh.xs, sh.ring, 0, 0, hidden);
+    WsAcc acc;
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        int expert, start, nrows;
+        if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
+            continue;
+        const int c0 = (item % cblocks) * 128 + 2 * t4;
+#pragma unroll 1
+        for (int proj = 0; proj < 2; proj++) {
+            const int index = proj * num_experts + expert;
+            consumer.retarget(x_rot + (size_t)proj * capacity * hidden, sh.xs, start, nrows, hidden);
+            ws_consume_item(acc, consumer, sh, kt0, kt1, index, stride, num_stages, stage_scale);
+            hadamard_rows(acc);
+            if (proj == 1) consumers_sync();   // no wgmma of either warpgroup reads the x buffers any more
+            const unsigned short* svh = reinterpret_cast<const unsigned short*>(svh_addr[index]);
+            const float* b = bias != nullptr ? bias + (size_t)index * inter : nullptr;
+            float* dst = proj == 0 ? keep : keep_up;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        const int c = c0 + nt * 16 + h * 8 + (e & 1), k = (nt * 2 + h) * 4 + e;
+                        dst[k * KEEP_STEP] = acc[0][nt][h][e] * INV_SQRT_128 * half_to_float(svh[c]) + bias_at(b, c);
+                    }
+        }
+        const unsigned short* down_suh = reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]);
+#pragma unroll 1
+        for (int k = 0; k < 64; k++) {
+            const int c = c0 + (k >> 3) * 16 + ((k >> 2) & 1) * 8 + (k & 1);
+            keep[k * KEEP_STEP] = activate(keep[k * KEEP_STEP], keep_up[k * KEEP_STEP], activation, has_limit, limit) *
+                                  half_to_float(down_suh[c]);
+        }
+#pragma unroll
+        for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) acc[0][nt][h][e] = keep[((nt * 2 + h) * 4 + e) * KEEP_STEP];
+        hadamard_rows<false>(acc);
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            const int r = row0 + 8 * half;
+            if (r >= nrows) continue;
+            unsigned short* dst = h_rot + (size_t)(start + r) * inter;
+#pragma unroll
+            for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    const int c = c0 + nt * 16 + h * 8;
+                    const u32 lo = float_to_half(acc[0][nt][h][2 * half] * INV_SQRT_128);
+                    const u32 hi = float_to_half(acc[0][nt][h][2 * half + 1] * INV_SQRT_128);
+                    *reinterpret_cast<u32*>(dst + c) = lo | hi << 16;
+                }
+        }
+        consumers_sync();   // every thread has read its up values before the next item stages x there
+    }
+    role_registers<true, false>();
+}
+#endif
+
 #if WS && defined(WS_PRODUCE_DOWN)
 // Down of every (route block, 128 columns) item of a single-split plan, persistent: block i takes items i, i + grid,
 // ... (item = route block x H / 128 + column block); producers decode on into the next item while the consumers

@@ -241,8 +241,10 @@ struct Consumer {
 };
 
 // Each of the consumer thread's two rows (g and g + 8 of its warp) replaced by its unnormalised 128-point Hadamard,
-// with the roundings of hadamard128_warp on 0 + acc: butterflies over column bits 0..6 in that order, where column
-// 16 nt + 8 h + 2 (lane % 4) + e % 2 holds acc[0][nt][h][e], so bits 1 and 2 are across lanes.
+// with the roundings of hadamard128_warp (on 0 + acc, as after add_splits, when plus_zero): butterflies over column
+// bits 0..6 in that order, where column 16 nt + 8 h + 2 (lane % 4) + e % 2 holds acc[0][nt][h][e], so bits 1 and 2
+// are across lanes.
+template <bool plus_zero = true>
 __device__ __forceinline__ void hadamard_rows(WsAcc& acc) {
     auto& v = acc[0];
     const int lane = threadIdx.x & 31;
@@ -256,7 +258,8 @@ __device__ __forceinline__ void hadamard_rows(WsAcc& acc) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
 #pragma unroll
-            for (int e = 0; e < 4; e++) v[nt][h][e] = 0.f + v[nt][h][e];
+            for (int e = 0; e < 4; e++)
+                if (plus_zero) v[nt][h][e] = 0.f + v[nt][h][e];
             butterfly(v[nt][h][0], v[nt][h][1]);
             butterfly(v[nt][h][2], v[nt][h][3]);
         }
