@@ -11,7 +11,8 @@ FIRST="warp_specialized or deterministic"
 {
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_gpu.py -k "$FIRST" 2>&1 | tail -4
 for cfg in ${PROBE_ENVS:-EXL3MOE_MOE_WS_GATE_UP=0 EXL3MOE_MOE_WS_GATE_UP=1}; do
-  env "$cfg" timeout 120 python3 scripts/moe_probe.py --tokens 1024 4096 2>&1 | grep -E "T=|Error|error" | sed "s/^/[$cfg] /"
+  env "$cfg" timeout 120 python3 scripts/moe_probe.py --tokens 1024 4096 2>&1 | grep -E "T=|Error|error" \
+    | sed "s/^/[$cfg] /"
 done
 if [ "${BENCH:-0}" = 1 ]; then
   timeout 200 python3 bench/moe.py --tokens 1024 4096 --out "$OUT/moe_h200.json" 2>&1 | grep -v "^\s*$" | tail -30

@@ -396,8 +396,8 @@ def _mma_launches(name: str, hidden, ws: dict, h_rot, y, route, top_k: int, tabl
         launches[name + "rotate"] = partial(moe_rotate_input, hidden, x_rot, route, top_k, tables, mma, blocks,
                                             capacity)
     launches[name + "gate_up"] = partial(moe_gate_up_mma, hidden, h_rot, route, top_k, tables, mma,
-                                         ws.get(prefix + "gate_up_partial"), ws.get(prefix + "gate_up_counters"), blocks,
-                                         capacity, x_rot)
+                                         ws.get(prefix + "gate_up_partial"), ws.get(prefix + "gate_up_counters"),
+                                         blocks, capacity, x_rot)
     launches[name + "down"] = partial(moe_down_mma, h_rot, y, route, tables, mma, ws.get(prefix + "down_partial"),
                                       ws.get(prefix + "down_counters"), blocks, capacity)
     return launches

@@ -394,7 +394,6 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
 // Gate and up of every (route block, 128 columns) item of a single-split plan, persistent like moe_down_ws: the
 // consumers run gate, keep its finished values (Hn(sum) * svh + bias) in shared memory, run up, and write
 // h_rot[pos] = fp16(Hn(act(gate, up) * down's suh) / sqrt(128)): the bytes of moe_gate_up_mma's last arrival.
-constexpr int GATE_KEEP_FLOATS = CONSUMERS * 32 * 64;   // each consumer thread's 64 gate values, thread-major
 
 extern "C" __global__ void KERNEL_BOUNDS
 moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ block_start,
