@@ -140,6 +140,19 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
             assert (block, shared) == (mma.warps * 32, 0), name
 
 
+@pytest.mark.parametrize("stages", ["2", "7", "six"])
+def test_moe_ring_depth_outside_its_range_is_refused(launches, monkeypatch, stages):
+    from exl3moe.errors import ContractError
+    from exl3moe.kernels import moe_mma
+
+    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
+    monkeypatch.setenv("EXL3MOE_MOE_WS_STAGES", stages)
+    experts = random_experts(8, 256, 384, K=4, codebook="mcg", generator=torch.Generator().manual_seed(5))
+    with pytest.raises(ContractError, match="EXL3MOE_MOE_WS_STAGES"):
+        moe_plan(experts, 70, 2, block_m=128)
+    assert not launches
+
+
 def test_linear_launches_match_the_kernel_signatures(launches):
     from exl3moe.kernels.trellis_mma import (DENSE_KTILES, decode_dense, dense_epilogue, plan_mma, rotate_input,
                                              trellis_mma)

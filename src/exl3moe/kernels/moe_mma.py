@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..errors import ContractError
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
 from .trellis_mma import (CHUNK_K, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits, ws_ring_shared_bytes,
@@ -111,6 +112,16 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
 
 
 WS_CONSUMER_THREADS = 256  # trellis_ws.cuh's CONSUMERS warps
+WS_MAX_STAGES = 6  # beside the persistent gate/up's 64 KB of gate values, six 16 KB stages fit in shared memory
+
+
+def ws_stages() -> int:
+    """The MoE ring's depth: EXL3MOE_MOE_WS_STAGES (3..WS_MAX_STAGES), WS_STAGES by default."""
+    value = os.environ.get("EXL3MOE_MOE_WS_STAGES", str(WS_STAGES))
+    if not value.isdigit() or not WS_STAGES <= int(value) <= WS_MAX_STAGES:
+        raise ContractError("EXL3MOE_MOE_WS_STAGES", f"must be an integer in {WS_STAGES}..{WS_MAX_STAGES}, got "
+                            f"{value!r}")
+    return int(value)
 
 
 def ws_shared_bytes(plan: MoeMmaPlan, name: str) -> int:
@@ -133,7 +144,7 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
         plan = replace(plan, ws=True,
                        ws_gate_up=plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1",
                        ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
-                       ws_stages=int(os.environ.get("EXL3MOE_MOE_WS_STAGES", WS_STAGES)))
+                       ws_stages=ws_stages())
     gate_up = "moe_gate_up_ws" if plan.ws_gate_up else "moe_gate_up_mma"
     return replace(plan, gate_up_kernel=_kernel(plan, gate_up, experts.device),
                    down_kernel=_kernel(plan, "moe_down_ws" if plan.ws_down else "moe_down_mma", experts.device),
