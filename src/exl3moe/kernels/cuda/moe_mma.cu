@@ -203,6 +203,19 @@ __device__ __forceinline__ void ws_mainloop(const WsShared& sh, const unsigned s
     store(acc, consumer_row0());
     role_registers<true, false>();
 }
+
+// f(expert, start, nrows, item) for each item of this block that has rows: items blockIdx.x + gridDim.x j of
+// `items` (route block x column blocks); a persistent kernel's producers and consumers walk the same ones.
+template <class F>
+__device__ __forceinline__ void for_each_item(int items, int cblocks, const int* __restrict__ block_expert,
+                                              const int* __restrict__ block_start, const int* __restrict__ offsets,
+                                              int num_experts, F&& f) {
+    for (int item = blockIdx.x; item < items; item += gridDim.x) {
+        int expert, start, nrows;
+        if (route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
+            f(expert, start, nrows, item);
+    }
+}
 #endif
 
 #if !WS
@@ -412,10 +425,8 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
     if (warp < PRODUCERS) {
         role_registers<false, true>();
         u32 cursor = 0;
-        for (int item = blockIdx.x; item < items; item += gridDim.x) {
-            int expert, start, nrows;
-            if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
-                continue;
+        for_each_item(items, cblocks, block_expert, block_start, offsets, num_experts,
+                      [&](int expert, int start, int nrows, int item) {
             const int jt = (item % cblocks) * WS_TILES + warp % WS_TILES;
 #pragma unroll 1
             for (int proj = 0; proj < 2; proj++) {
@@ -425,7 +436,7 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
                                 kt1 / STAGE_KT, cursor,
                                 [&](const u32* words, int key, u32 at) { WS_PRODUCE_GATE_UP(words, key, at) });
             }
-        }
+        });
         role_registers<false, false>();
         return;
     }
@@ -438,10 +449,8 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
     constexpr int KEEP_STEP = CONSUMERS * 32;
     Consumer consumer(x_rot, sh.xs, sh.ring, 0, 0, hidden);
     WsAcc acc;
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-        int expert, start, nrows;
-        if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
-            continue;
+    for_each_item(items, cblocks, block_expert, block_start, offsets, num_experts,
+                  [&](int expert, int start, int nrows, int item) {
         const int c0 = (item % cblocks) * 128 + 2 * t4;
 #pragma unroll 1
         for (int proj = 0; proj < 2; proj++) {
@@ -453,15 +462,10 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
             const unsigned short* svh = reinterpret_cast<const unsigned short*>(svh_addr[index]);
             const float* b = bias != nullptr ? bias + (size_t)index * inter : nullptr;
             float* dst = proj == 0 ? keep : keep_up;
-#pragma unroll
-            for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int c = c0 + nt * 16 + h * 8 + (e & 1), k = (nt * 2 + h) * 4 + e;
-                        dst[k * KEEP_STEP] = acc[0][nt][h][e] * INV_SQRT_128 * half_to_float(svh[c]) + bias_at(b, c);
-                    }
+            each_element([&](int nt, int h, int e, int k) {
+                const int c = c0 + nt * 16 + h * 8 + (e & 1);
+                dst[k * KEEP_STEP] = acc[0][nt][h][e] * INV_SQRT_128 * half_to_float(svh[c]) + bias_at(b, c);
+            });
         }
         const unsigned short* down_suh = reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]);
 #pragma unroll 1
@@ -470,12 +474,7 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
             keep[k * KEEP_STEP] = activate(keep[k * KEEP_STEP], keep_up[k * KEEP_STEP], activation, has_limit, limit) *
                                   half_to_float(down_suh[c]);
         }
-#pragma unroll
-        for (int nt = 0; nt < 8; nt++)
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) acc[0][nt][h][e] = keep[((nt * 2 + h) * 4 + e) * KEEP_STEP];
+        each_element([&](int nt, int h, int e, int k) { acc[0][nt][h][e] = keep[k * KEEP_STEP]; });
         hadamard_rows<false>(acc);
 #pragma unroll
         for (int half = 0; half < 2; half++) {
@@ -493,7 +492,7 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
                 }
         }
         consumers_sync();   // every thread has read its up values before the next item stages x there
-    }
+    });
     role_registers<true, false>();
 }
 #endif
@@ -518,16 +517,14 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
     if (warp < PRODUCERS) {
         role_registers<false, true>();
         u32 cursor = 0;
-        for (int item = blockIdx.x; item < items; item += gridDim.x) {
-            int expert, start, nrows;
-            if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
-                continue;
+        for_each_item(items, cblocks, block_expert, block_start, offsets, num_experts,
+                      [&](int expert, int start, int nrows, int item) {
             const int index = 2 * num_experts + expert, jt = (item % cblocks) * WS_TILES + warp % WS_TILES;
             ws_produce_item(reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
                             index, stride, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                             kt1 / STAGE_KT, cursor,
                             [&](const u32* words, int key, u32 at) { WS_PRODUCE_DOWN(words, key, at) });
-        }
+        });
         role_registers<false, false>();
         return;
     }
@@ -535,10 +532,8 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
     const int lane = threadIdx.x & 31, row0 = consumer_row0() + (lane >> 2), t4 = lane & 3;
     Consumer consumer(h_rot, sh.xs, sh.ring, 0, 0, inter);
     WsAcc acc;
-    for (int item = blockIdx.x; item < items; item += gridDim.x) {
-        int expert, start, nrows;
-        if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
-            continue;
+    for_each_item(items, cblocks, block_expert, block_start, offsets, num_experts,
+                  [&](int expert, int start, int nrows, int item) {
         const int index = 2 * num_experts + expert, c0 = (item % cblocks) * 128 + 2 * t4;
         consumer.retarget(h_rot, sh.xs, start, nrows, inter);
         ws_consume_item(acc, consumer, sh, kt0, kt1, index, stride, num_stages, stage_scale);
@@ -563,7 +558,7 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
                     *reinterpret_cast<float2*>(dst + c) = make_float2(o[0], o[1]);
                 }
         }
-    }
+    });
     role_registers<true, false>();
 }
 #endif

@@ -291,6 +291,17 @@ __device__ __forceinline__ void hadamard_rows(WsAcc& acc) {
                     for (int e = 0; e < 4; e++) butterfly(v[nt][h][e], v[nt | m][h][e]);
 }
 
+// f(nt, h, e, k) for each of a consumer thread's accumulators acc[0][nt][h][e], k = 4 (2 nt + h) + e.
+template <class F>
+__device__ __forceinline__ void each_element(F&& f) {
+#pragma unroll
+    for (int nt = 0; nt < 8; nt++)
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) f(nt, h, e, (nt * 2 + h) * 4 + e);
+}
+
 // Shared memory of a warp-specialized block: the ring, two x chunk buffers (1024-byte aligned) and the ring's
 // full / empty barriers, then `extra` bytes for the caller; the barriers are initialised (call before any role).
 struct WsShared {
