@@ -425,18 +425,18 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
     if (warp < PRODUCERS) {
         role_registers<false, true>();
         u32 cursor = 0;
-        for_each_item(items, cblocks, block_expert, block_start, offsets, num_experts,
-                      [&](int expert, int start, int nrows, int item) {
-            const int jt = (item % cblocks) * WS_TILES + warp % WS_TILES;
-#pragma unroll 1
-            for (int proj = 0; proj < 2; proj++) {
-                const int index = proj * num_experts + expert;
-                ws_produce_item(reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
-                                index, stride, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
-                                kt1 / STAGE_KT, cursor,
-                                [&](const u32* words, int key, u32 at) { WS_PRODUCE_GATE_UP(words, key, at) });
-            }
-        });
+        // (item, projection) pairs in the consumers' order, one loop so that little stays live across the decode
+        for (int q = 2 * blockIdx.x; q < 2 * items; q += (q & 1) ? 2 * gridDim.x - 1 : 1) {
+            const int item = q >> 1;
+            int expert, start, nrows;
+            if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
+                continue;
+            const int jt = (item % cblocks) * WS_TILES + warp % WS_TILES, index = (q & 1) * num_experts + expert;
+            ws_produce_item(reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
+                            index, stride, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+                            kt1 / STAGE_KT, cursor,
+                            [&](const u32* words, int key, u32 at) { WS_PRODUCE_GATE_UP(words, key, at) });
+        }
         role_registers<false, false>();
         return;
     }
