@@ -113,11 +113,12 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
 
 WS_CONSUMER_THREADS = 256  # trellis_ws.cuh's CONSUMERS warps
 WS_MAX_STAGES = 6  # beside the persistent gate/up's 64 KB of gate values, six 16 KB stages fit in shared memory
+MOE_WS_STAGES = 6  # the MoE's ring: its blocks keep no running sum, so twice the linear's stages fit
 
 
 def ws_stages() -> int:
-    """The MoE ring's depth: EXL3MOE_MOE_WS_STAGES (3..WS_MAX_STAGES), WS_STAGES by default."""
-    value = os.environ.get("EXL3MOE_MOE_WS_STAGES", str(WS_STAGES))
+    """The MoE ring's depth: EXL3MOE_MOE_WS_STAGES (3..WS_MAX_STAGES), MOE_WS_STAGES by default."""
+    value = os.environ.get("EXL3MOE_MOE_WS_STAGES", str(MOE_WS_STAGES))
     if not value.isdigit() or not WS_STAGES <= int(value) <= WS_MAX_STAGES:
         raise ContractError("EXL3MOE_MOE_WS_STAGES", f"must be an integer in {WS_STAGES}..{WS_MAX_STAGES}, got "
                             f"{value!r}")

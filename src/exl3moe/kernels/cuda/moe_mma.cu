@@ -164,9 +164,9 @@ __device__ __forceinline__ void ws_produce_item(const u32* words, int key, int i
 // plus scale x residual of every stage with a nonzero scale, as add_stages computes them.
 __device__ __forceinline__ void ws_consume_item(WsAcc& acc, Consumer& consumer, const WsShared& sh, int kt0, int kt1,
                                                 int index, int stride, int num_stages,
-                                                const float* __restrict__ scale) {
+                                                const float* __restrict__ scale, bool staged = false) {
     zero_acc(acc);
-    consumer.stage_first(kt0);
+    if (!staged) consumer.stage_first(kt0);   // staged: the caller has staged the item's first chunk
     consumer.run(acc, sh.full, sh.empty, kt0, kt1, -1);
     for (int s = 0; s < num_stages; s++) {
         const float f = scale[s * stride + index];
@@ -532,11 +532,23 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
     const int lane = threadIdx.x & 31, row0 = consumer_row0() + (lane >> 2), t4 = lane & 3;
     Consumer consumer(h_rot, sh.xs, sh.ring, 0, 0, inter);
     WsAcc acc;
-    for_each_item(items, cblocks, block_expert, block_start, offsets, num_experts,
-                  [&](int expert, int start, int nrows, int item) {
+    // The first item with rows from `item` on (items if none), its first x chunk staged.
+    auto stage_next = [&](int item, int& expert, int& start, int& nrows) {
+        for (; item < items; item += gridDim.x)
+            if (route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows)) {
+                consumer.retarget(h_rot, sh.xs, start, nrows, inter);
+                consumer.stage_first(kt0);
+                break;
+            }
+        return item;
+    };
+    int expert, start, nrows;
+    for (int item = stage_next(blockIdx.x, expert, start, nrows); item < items;) {
         const int index = 2 * num_experts + expert, c0 = (item % cblocks) * 128 + 2 * t4;
-        consumer.retarget(h_rot, sh.xs, start, nrows, inter);
-        ws_consume_item(acc, consumer, sh, kt0, kt1, index, stride, num_stages, stage_scale);
+        ws_consume_item(acc, consumer, sh, kt0, kt1, index, stride, num_stages, stage_scale, true);
+        // The next item's rows land while this one's finish runs (its first chunk's buffer is free after run).
+        int next_expert, next_start, next_nrows;
+        const int next = stage_next(item + gridDim.x, next_expert, next_start, next_nrows);
         hadamard_rows(acc);
         const unsigned short* svh = reinterpret_cast<const unsigned short*>(svh_addr[index]);
         const float* down_bias = bias != nullptr ? bias + (size_t)expert * hidden : nullptr;
@@ -558,7 +570,11 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
                     *reinterpret_cast<float2*>(dst + c) = make_float2(o[0], o[1]);
                 }
         }
-    });
+        item = next;
+        expert = next_expert;
+        start = next_start;
+        nrows = next_nrows;
+    }
     role_registers<true, false>();
 }
 #endif
