@@ -159,6 +159,15 @@ class LinearPlan:
         dense = views.pop() if self.dense_path else None
         return LinearRunner(self, *views, dense=dense, counters=counters)
 
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
+
+    @property
+    def workspace_layout(self) -> tuple:
+        """(elements, dtype) of every workspace entry in order: plans with equal layouts can share one."""
+        return tuple(self._sizes)
+
     def allocate(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.weight.device)
 

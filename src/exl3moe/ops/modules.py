@@ -7,16 +7,19 @@ from torch import nn
 
 from ..format.weight import EXL3Weight
 from .linear import LinearPlan, check_input
+from .workspaces import workspace_for
 
 
 class EXL3Linear(nn.Module):
-    """y = x @ W + bias for an EXL3 weight. Keeps a workspace per device for calls of up to `max_rows` rows;
-    pass `out` to make a call allocate nothing (CUDA-graph capture)."""
+    """y = x @ W + bias for an EXL3 weight, with a workspace for calls of up to `max_rows` rows (shared with
+    every module of the same plan layout unless share_workspace=False); pass `out` to make a call allocate
+    nothing (CUDA-graph capture)."""
 
-    def __init__(self, weight: EXL3Weight, max_rows: int = 128):
+    def __init__(self, weight: EXL3Weight, max_rows: int = 128, share_workspace: bool = True):
         super().__init__()
         self.weight = weight
         self.max_rows = max_rows
+        self.share_workspace = bool(share_workspace)
         self._plan = LinearPlan(weight, max_rows)
         self._runner = None
 
@@ -38,7 +41,8 @@ class EXL3Linear(nn.Module):
             self._plan = LinearPlan(self.weight, rows)
             self._runner = None
         if self._runner is None:
-            self._runner = self._plan.bind(self._plan.allocate())
+            self._workspace = workspace_for(self._plan, self.share_workspace)
+            self._runner = self._plan.bind(self._workspace)
         return self._runner
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -203,6 +203,11 @@ class MoEPlan:
                 view.zero_()
         return MoERunner(self, views)
 
+    @property
+    def workspace_layout(self) -> tuple:
+        """(name, elements, dtype) of every workspace entry in order: plans with equal layouts can share one."""
+        return tuple(self._layout)
+
     def allocate(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
 

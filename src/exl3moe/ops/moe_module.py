@@ -5,7 +5,8 @@ sigmoid(hidden . shared_gate) when a Qwen2-MoE-style `shared_expert_gate` is pre
 
 Plans are made (and so everything validated) at construction for calls of up to `max_tokens` tokens; the
 workspace is allocated by the first call and reused. A call with more tokens re-plans for that many and
-allocates a new workspace. CUDA-graph capture: make one warm-up call first (Triton compiles, the workspace
+allocates a new workspace. Modules with equal plan layouts on one device share it (ops/workspaces.py);
+`share_workspace=False` gives a module its own. CUDA-graph capture: make one warm-up call first (Triton compiles, the workspace
 is allocated), then capture calls with T <= max_tokens and `out` given; the router's small temporaries come
 from torch's caching allocator (the graph's private pool under capture); nothing syncs with the host.
 
@@ -26,6 +27,7 @@ from ..errors import ContractError, FormatError
 from ..format.experts import ExpertSet
 from .moe import OUTPUT_DTYPES, moe_plan
 from .router import Router
+from .workspaces import workspace_for
 
 # HF hidden_act values and the ExpertSet activation each maps to (gelu* -> the tanh form the kernels compute).
 ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "relu2": "relu2"}
@@ -70,12 +72,14 @@ class EXL3MoE(nn.Module):
     """Router -> plan/bind/run over EXL3 experts, with a cached workspace for calls of up to `max_tokens` tokens."""
 
     def __init__(self, experts: ExpertSet, router: Router, shared: ExpertSet | None = None,
-                 shared_gate: torch.Tensor | None = None, max_tokens: int = 64, out_dtype: torch.dtype | None = None):
+                 shared_gate: torch.Tensor | None = None, max_tokens: int = 64, out_dtype: torch.dtype | None = None,
+                 share_workspace: bool = True):
         super().__init__()
         _check_parts(experts, router, shared, shared_gate)
         if out_dtype is not None and out_dtype not in OUTPUT_DTYPES:
             raise ContractError("out_dtype", f"must be float16, bfloat16 or float32, got {out_dtype}")
         self.experts, self.router, self.shared, self.out_dtype = experts, router, shared, out_dtype
+        self.share_workspace = bool(share_workspace)
         gate = None if shared_gate is None else shared_gate.detach().float().reshape(-1, 1).contiguous()
         self.register_buffer("shared_gate", gate)
         self._make_plans(max_tokens)
@@ -118,10 +122,11 @@ class EXL3MoE(nn.Module):
 
     def _bind(self) -> None:
         """Workspace(s) for the plans and, with a gated shared expert, the fp32 scratch and its constant ids."""
-        self._runners = [self.plan.bind(self.plan.allocate())]
+        plans = [self.plan] + ([self.shared_plan] if self.shared_plan is not None else [])
+        self._workspaces = [workspace_for(plan, self.share_workspace) for plan in plans]
+        self._runners = [plan.bind(workspace) for plan, workspace in zip(plans, self._workspaces)]
         self._scratch = {}
         if self.shared_plan is not None:
-            self._runners.append(self.shared_plan.bind(self.shared_plan.allocate()))
             T, H, device = self.plan.max_tokens, self.hidden_size, self.experts.device
             self._scratch = {"routed": torch.empty(T, H, dtype=torch.float32, device=device),
                              "shared": torch.empty(T, H, dtype=torch.float32, device=device),
