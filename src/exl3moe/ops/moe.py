@@ -43,9 +43,9 @@ from .tables import MoETables, build_tables, check_expert_set
 from .moe_torch import moe_torch
 from .stage_limits import residual_codebooks, stage_codebook_set, stage_k2_limit, widest_residual_k2
 
-# Slots per chunk by default: 2048 top-8 tokens keep ~128 rows per expert at E = 128, with the Qwen3-30B
-# workspace (I = 768, H = 2048) at ~160 MB.
-DEFAULT_SLOT_CAPACITY = 16384
+# Slots per chunk by default: 4096 top-8 tokens, ~256 rows per expert at E = 128 (each expert's tiles decoded
+# for more rows at a time); the workspace is then ~750 MB for Qwen3-30B-A3B, ~1.5 GB for GLM-4.5-Air.
+DEFAULT_SLOT_CAPACITY = 32768
 # Route-block rows: 16 is the smallest MMA tile; above 32 the sm_90 build of the Triton gate/up spills (cuobjdump).
 # The CUDA kernels take up to 128 and skip m16 tiles past a block's rows, so they get headroom over the average.
 MIN_BLOCK_M, MAX_BLOCK_M, CUDA_MAX_BLOCK_M = 16, 32, 128
