@@ -277,3 +277,42 @@ def test_warp_specialized_experts_give_mma_sync_bytes(qwen3_layer, monkeypatch):
         plan.bind(plan.allocate()).run(x, ids, weights, outs[ws])
     assert torch.equal(bits(outs["0"]), bits(outs["1"]))
     assert rel_l2(outs["1"], moe(x, layer, ids, weights)) < 2e-3
+
+
+def butterfly_rotation(rows: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
+    """fp16(Hn128(rows * suh) / sqrt(128)) in fp32 with the kernels' butterflies: bits 0..6 of the index in order."""
+    v = rows.float() * suh.float()
+    shape = v.shape
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        pairs = v.reshape(-1, 2, m)
+        v = torch.stack((pairs[:, 0] + pairs[:, 1], pairs[:, 0] - pairs[:, 1]), 1)
+    return (v.reshape(shape) * torch.tensor(0.08838834764831845, dtype=torch.float32)).half()
+
+
+@pytest.mark.parametrize("layout", ["aligned", "offset", "strided"])
+def test_pre_rotated_inputs_are_the_butterfly_bits(qwen3_layer, layout):
+    """moe_rotate_input's rows equal the butterfly rotation bit for bit, with 16-byte loads or element loads."""
+    T, top_k, H, E = 300, QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
+    g = torch.Generator(device="cuda").manual_seed(70)
+    dense = (torch.randn(T, H, device="cuda", generator=g) / 32).half()
+    if layout == "offset":   # 8 bytes past a 16-byte boundary
+        x = torch.empty(T * H + 4, device="cuda", dtype=torch.float16)[4:].view(T, H)
+    elif layout == "strided":   # rows 2 H + 4 elements apart
+        x = torch.empty(T, 2 * H + 4, device="cuda", dtype=torch.float16)[:, :H]
+    else:
+        x = torch.empty(T, H, device="cuda", dtype=torch.float16)
+    x.copy_(dense)
+    ids, weights = routing(T, E, top_k, 71)
+    plan = moe_plan(qwen3_layer, T, top_k, block_m=128, out_dtype=torch.float16)
+    assert plan.mma.pre_rotate
+    runner = plan.bind(plan.allocate())
+    launches = runner.chunk_launches(x, ids, weights, torch.empty(T, H, device="cuda", dtype=torch.float16))
+    launches["route_pack"]()
+    launches["rotate"]()
+    slots = runner._ws["sorted_slots"][:T * top_k].long()
+    x_rot = runner._ws["mma_x_rot"].view(2, plan.slot_capacity, H)[:, :T * top_k]
+    experts = ids.flatten()[slots]
+    for p, weights_p in enumerate((qwen3_layer.gate, qwen3_layer.up)):
+        suh = torch.stack([w.suh for w in weights_p])[experts]
+        expected = butterfly_rotation(dense[slots // top_k], suh)
+        assert torch.equal(bits(x_rot[p]), bits(expected)), (p, (x_rot[p] != expected).any(-1).sum().item())

@@ -70,6 +70,7 @@ class MoETables:
     bias_down: torch.Tensor | None
     max_k2_gate_up: int
     max_k2_down: int
+    gate_up_suh_aligned: bool   # every gate and up suh starts 16-byte aligned (vector loads in moe_rotate_input)
 
 
 def _check_tensor(t: torch.Tensor, name: str, dtype: torch.dtype, device: torch.device) -> None:
@@ -225,4 +226,5 @@ def build_tables(experts: ExpertSet, name: str = "experts", stage_capacity: int 
         bias_down=None if biases[2] is None else biases[2].to(device),
         max_k2_gate_up=max(max_k2[0], max_k2[1], stage_max[0], stage_max[1]),
         max_k2_down=max(max_k2[2], stage_max[2]),
+        gate_up_suh_aligned=bool((addr[1, :2] % 16 == 0).all()),
     )
