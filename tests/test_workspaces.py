@@ -14,22 +14,29 @@ interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reas
 DEVICES = [pytest.param("cpu", marks=interpreted), pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def moe_layer(seed: int, device: str, share: bool = True, H: int = 128, I: int = 128, E: int = 4) -> EXL3MoE:
+def moe_layer(seed: int, device: str, share: bool = True, H: int = 128, I: int = 128, E: int = 4,
+              gated: bool = False) -> EXL3MoE:
     g = torch.Generator().manual_seed(seed)
     experts = random_experts(E, H, I, K=[2, 3, 4, 3][:E], codebook="mcg", generator=g).to(device)
     router = Router(torch.randn(E, H, generator=g).half().to(device), top_k=2)
-    return EXL3MoE(experts, router, max_tokens=16, share_workspace=share)
+    if not gated:
+        return EXL3MoE(experts, router, max_tokens=16, share_workspace=share)
+    shared = random_experts(1, H, 256, K=3, codebook="mul1", generator=g, name="shared").to(device)
+    gate = (torch.randn(1, H, generator=g) * 0.2).half().to(device)
+    return EXL3MoE(experts, router, shared, gate, max_tokens=16, share_workspace=share)
 
 
 def workspace_ptrs(module) -> list:
-    return [w.data_ptr() for w in getattr(module, "_workspaces", [getattr(module, "_workspace", None)])]
+    return [w.data_ptr() for w in module._workspaces]
 
 
+@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("device", DEVICES)
-def test_moe_layers_share_a_workspace_and_keep_their_bytes(device):
+def test_moe_layers_share_a_workspace_and_keep_their_bytes(device, gated):
     x = torch.randn(9, 128, generator=torch.Generator().manual_seed(1)).half().to(device)
-    first, second, other_shape = moe_layer(1, device), moe_layer(2, device), moe_layer(3, device, I=256)
-    private = moe_layer(1, device, share=False)
+    first, second = moe_layer(1, device, gated=gated), moe_layer(2, device, gated=gated)
+    other_shape = moe_layer(3, device, I=256, gated=gated)
+    private = moe_layer(1, device, share=False, gated=gated)
     expected = private(x)
     out_first = first(x)
     out_second = second(x)   # overwrites the shared scratch between the two calls of `first`
@@ -37,7 +44,7 @@ def test_moe_layers_share_a_workspace_and_keep_their_bytes(device):
     again = first(x)
     assert workspace_ptrs(first) == workspace_ptrs(second)
     assert workspace_ptrs(first) != workspace_ptrs(private)
-    assert workspace_ptrs(first) != workspace_ptrs(other_shape)
+    assert workspace_ptrs(first)[0] != workspace_ptrs(other_shape)[0]
     assert torch.equal(out_first, expected) and torch.equal(again, expected)
     assert not torch.equal(out_second, expected) and torch.isfinite(out_other.float()).all()
 

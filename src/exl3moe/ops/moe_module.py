@@ -27,7 +27,7 @@ from ..errors import ContractError, FormatError
 from ..format.experts import ExpertSet
 from .moe import OUTPUT_DTYPES, moe_plan
 from .router import Router
-from .workspaces import workspace_for
+from .workspaces import shared_buffer, workspace_for
 
 # HF hidden_act values and the ExpertSet activation each maps to (gelu* -> the tanh form the kernels compute).
 ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "relu2": "relu2"}
@@ -128,9 +128,12 @@ class EXL3MoE(nn.Module):
         self._scratch = {}
         if self.shared_plan is not None:
             T, H, device = self.plan.max_tokens, self.hidden_size, self.experts.device
-            self._scratch = {"routed": torch.empty(T, H, dtype=torch.float32, device=device),
-                             "shared": torch.empty(T, H, dtype=torch.float32, device=device),
-                             "shared_ids": torch.zeros(T, 1, dtype=torch.int32, device=device)}
+            sums = shared_buffer((str(device), "gated shared expert sums", T, H),
+                                 lambda: torch.empty(2, T, H, dtype=torch.float32, device=device), self.share_workspace)
+            ids = shared_buffer((str(device), "gated shared expert ids", T),
+                                lambda: torch.zeros(T, 1, dtype=torch.int32, device=device), self.share_workspace)
+            self._workspaces += [sums, ids]
+            self._scratch = {"routed": sums[0], "shared": sums[1], "shared_ids": ids}
 
     def _check_out(self, hidden: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         dtype = self.out_dtype or hidden.dtype
