@@ -82,7 +82,8 @@ def direct_route(max_slots: int, block_m: int, formats: int = 1) -> bool:
 
 def projection_formats(experts) -> list:
     """[(2K, codebook id) of each expert] for gate, up and down (empty for a projection the layer lacks)."""
-    return [[(int(w.K * 2), CODEBOOK_ID[w.codebook]) for w in getattr(experts, p) or ()] for p in ("gate", "up", "down")]
+    return [[(int(w.K * 2), CODEBOOK_ID[w.codebook]) for w in getattr(experts, p) or ()]
+            for p in ("gate", "up", "down")]
 
 
 def format_count(experts) -> int:
