@@ -219,11 +219,11 @@ __device__ __forceinline__ void for_each_item(int items, int cblocks, const int*
 #endif
 
 #if !WS
-// v[j] = element 32 q + j of a 128-input row held by the four lanes q = lane % 4 of a quad: its unnormalised
-// Hadamard with the butterflies and roundings of hadamard128_warp (bits 0..4 in registers, 5 and 6 across lanes).
+// v[8 i + j] = element 32 i + 8 q + j of a 128-input row held by the four lanes q = lane % 4 of a quad: its
+// unnormalised Hadamard with the butterflies and roundings of hadamard128_warp, bits 0..6 in order (bits 0..2 and
+// 5..6 in registers, 3 and 4 across the quad).
 __device__ __forceinline__ void hadamard128_quad(float (&v)[32], int q) {
-#pragma unroll
-    for (int m = 1; m < 32; m <<= 1)
+    auto in_registers = [&](int m) {
 #pragma unroll
         for (int j = 0; j < 32; j++)
             if (!(j & m)) {
@@ -231,6 +231,10 @@ __device__ __forceinline__ void hadamard128_quad(float (&v)[32], int q) {
                 v[j] = a + b;
                 v[j | m] = a - b;
             }
+    };
+    in_registers(1);
+    in_registers(2);
+    in_registers(4);
 #pragma unroll
     for (int m = 1; m <= 2; m <<= 1) {
         const float sign = q & m ? -1.f : 1.f;
@@ -240,6 +244,8 @@ __device__ __forceinline__ void hadamard128_quad(float (&v)[32], int q) {
             v[j] = __fmaf_rn(v[j], sign, other);
         }
     }
+    in_registers(8);
+    in_registers(16);
 }
 
 // Eight fp16 / bf16 values from p as floats: one 16-byte load when `vector` (p 16-byte aligned).
@@ -283,21 +289,21 @@ moe_rotate_input(const unsigned short* __restrict__ x, int flags, int stride_x,
     // every lane reaches the shuffles.
     for (int base = 8 * warp; base < rows * chunks; base += 8 * WARPS) {
         const int item = min(base + (lane >> 2), rows * chunks - 1), r = item / chunks;
-        const int c = (item % chunks) * 128 + 32 * q;
+        const int c = (item % chunks) * 128 + 8 * q;   // the quad's pieces of 64 bytes are contiguous
         const u32 slot = sorted_slots[start + r0 + r], token = magic ? __umulhi(slot, magic) : slot;
         const unsigned short* xr = x + (size_t)token * stride_x + c;
         float v[32];
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             float s[8];
-            load8(v + 8 * i, xr + 8 * i, vector, x_bf16);
-            load8(s, suh + c + 8 * i, vector, 0);
+            load8(v + 8 * i, xr + 32 * i, vector, x_bf16);
+            load8(s, suh + c + 32 * i, vector, 0);
 #pragma unroll
             for (int j = 0; j < 8; j++) v[8 * i + j] *= s[j];
         }
         hadamard128_quad(v, q);
         if (base + (lane >> 2) < rows * chunks) {
-            uint4* out = reinterpret_cast<uint4*>(dst + (size_t)r * hidden + c);   // workspace rows: 256-byte aligned
+            unsigned short* out = dst + (size_t)r * hidden + c;   // workspace rows: 256-byte aligned
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 u32 w[4];
@@ -305,7 +311,7 @@ moe_rotate_input(const unsigned short* __restrict__ x, int flags, int stride_x,
                 for (int j = 0; j < 4; j++)
                     w[j] = float_to_half(v[8 * i + 2 * j] * INV_SQRT_128) |
                            (u32)float_to_half(v[8 * i + 2 * j + 1] * INV_SQRT_128) << 16;
-                out[i] = make_uint4(w[0], w[1], w[2], w[3]);
+                *reinterpret_cast<uint4*>(out + 32 * i) = make_uint4(w[0], w[1], w[2], w[3]);
             }
         }
     }
