@@ -10,10 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
-# Slot rows in flight per program: top_k x tokens x 128 fp32 at 64 slot rows stays unspilled (sm_90 cuobjdump).
-SLOT_ROWS_PER_PROGRAM = 64
-# Columns per program: one 128-wide block, the unit every hidden size here is a multiple of.
-BLOCK_COLS = 128
+# Outputs per program (tokens x columns) and its warps: a whole 2048-wide row per program reads y fastest.
+BLOCK_ELEMENTS, WARPS = 2048, 8
 
 
 @triton.jit
@@ -45,9 +43,9 @@ def moe_combine(topk_ids: torch.Tensor, topk_weights: torch.Tensor, y: torch.Ten
     """out [T, H] <- weighted slot-order sum of y [>= T*top_k, H] fp32 (+ shared [>= T, H] fp32). No validation."""
     tokens, top_k = topk_ids.shape
     hidden = out.shape[1]
-    block_tokens = max(1, min(16, SLOT_ROWS_PER_PROGRAM // triton.next_power_of_2(top_k)))
-    grid = (triton.cdiv(tokens, block_tokens), hidden // BLOCK_COLS)
+    block_cols = min(BLOCK_ELEMENTS, hidden & -hidden)   # the largest power of two dividing the hidden size
+    grid = (triton.cdiv(tokens, BLOCK_ELEMENTS // block_cols), hidden // block_cols)
     moe_combine_kernel[grid](topk_ids, topk_weights, y, shared if shared is not None else y, out, tokens,
                              num_experts, hidden, out.stride(0), TOP_K=top_k, HAS_SHARED=shared is not None,
-                             BT=block_tokens, BC=BLOCK_COLS)
+                             BT=BLOCK_ELEMENTS // block_cols, BC=block_cols, num_warps=WARPS)
     return out
