@@ -223,8 +223,7 @@ def moe_rotate_input(hidden, x_rot, route, top_k, tables, plan: MoeMmaPlan, grid
     vector = tables.gate_up_suh_aligned and hidden.data_ptr() % 16 == 0 and hidden.stride(0) % 8 == 0
     nvrtc.launch(plan.rotate_kernel, (grid_blocks, 2, plan.block_m // ROTATE_ROWS), plan.warps * 32,
                  [hidden, int(hidden.dtype == torch.bfloat16) | int(vector) << 1, hidden.stride(0), block_expert,
-                  block_start, offsets,
-                  sorted_slots, top_k, tables.suh_addr, tables.num_experts, H, capacity, x_rot])
+                  block_start, offsets, sorted_slots, top_k, tables.suh_addr, tables.num_experts, H, capacity, x_rot])
 
 
 def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, partial, counters, grid_blocks, capacity,

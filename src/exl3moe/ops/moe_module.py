@@ -6,9 +6,10 @@ sigmoid(hidden . shared_gate) when a Qwen2-MoE-style `shared_expert_gate` is pre
 Plans are made (and so everything validated) at construction for calls of up to `max_tokens` tokens; the
 workspace is allocated by the first call and reused. A call with more tokens re-plans for that many and
 allocates a new workspace. Modules with equal plan layouts on one device share it (ops/workspaces.py);
-`share_workspace=False` gives a module its own. CUDA-graph capture: make one warm-up call first (Triton compiles, the workspace
-is allocated), then capture calls with T <= max_tokens and `out` given; the router's small temporaries come
-from torch's caching allocator (the graph's private pool under capture); nothing syncs with the host.
+`share_workspace=False` gives a module its own. CUDA-graph capture: make one warm-up call first (Triton
+compiles, the workspace is allocated), then capture calls with T <= max_tokens and `out` given; the router's
+small temporaries come from torch's caching allocator (the graph's private pool under capture); nothing
+syncs with the host.
 
 A gated shared expert runs as its own one-expert plan (top-1, id 0, weight = the sigmoid gate) into fp32
 scratch, added to the routed fp32 result before the single cast into `out`. Without a gate the shared expert
