@@ -160,6 +160,18 @@ __device__ __forceinline__ void ws_produce_item(const u32* words, int key, int i
     }
 }
 
+// ws_produce_item for the persistent kernels' items: the base trellis and format read from the layer's tables.
+template <class Produce>
+__device__ __forceinline__ void ws_produce_index(const long long* __restrict__ trellis_addr,
+                                                 const int* __restrict__ base_k2, const int* __restrict__ base_codebook,
+                                                 int index, int stride, int num_stages,
+                                                 const long long* __restrict__ addr, const int* __restrict__ k2,
+                                                 const int* __restrict__ codebook, const float* __restrict__ scale,
+                                                 int per_range, u32& cursor, Produce&& produce) {
+    ws_produce_item(reinterpret_cast<const u32*>(trellis_addr[index]), base_k2[index] * 4 + base_codebook[index],
+                    index, stride, num_stages, addr, k2, codebook, scale, per_range, cursor, produce);
+}
+
 // Consumer side of one work item: acc = the consumer's rows of x times the item's trellis over k-tiles [kt0, kt1),
 // plus scale x residual of every stage with a nonzero scale, as add_stages computes them.
 __device__ __forceinline__ void ws_consume_item(WsAcc& acc, Consumer& consumer, const WsShared& sh, int kt0, int kt1,
@@ -497,10 +509,9 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
             if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
                 continue;
             const int jt = (item % cblocks) * WS_TILES + warp % WS_TILES, index = (q & 1) * num_experts + expert;
-            ws_produce_item(reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
-                            index, stride, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
-                            kt1 / STAGE_KT, cursor,
-                            [&](const u32* words, int key, u32 at) { WS_PRODUCE_GATE_UP(words, key, at) });
+            ws_produce_index(trellis_addr, k2, codebook, index, stride, num_stages, stage_addr, stage_k2,
+                             stage_codebook, stage_scale, kt1 / STAGE_KT, cursor,
+                             [&](const u32* words, int key, u32 at) { WS_PRODUCE_GATE_UP(words, key, at) });
         }
         role_registers<false, false>();
         return;
@@ -585,10 +596,9 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
         for_each_item(items, cblocks, block_expert, block_start, offsets, num_experts,
                       [&](int expert, int start, int nrows, int item) {
             const int index = 2 * num_experts + expert, jt = (item % cblocks) * WS_TILES + warp % WS_TILES;
-            ws_produce_item(reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index],
-                            index, stride, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
-                            kt1 / STAGE_KT, cursor,
-                            [&](const u32* words, int key, u32 at) { WS_PRODUCE_DOWN(words, key, at) });
+            ws_produce_index(trellis_addr, k2, codebook, index, stride, num_stages, stage_addr, stage_k2,
+                             stage_codebook, stage_scale, kt1 / STAGE_KT, cursor,
+                             [&](const u32* words, int key, u32 at) { WS_PRODUCE_DOWN(words, key, at) });
         });
         role_registers<false, false>();
         return;
