@@ -57,33 +57,55 @@ def bf16_layer(hidden, inter, E, gen):
     return gate_up, down
 
 
+def expert_order(ids, E):
+    """(slot order sorted by expert, int32 end offsets per expert) of a [T, top_k] routing, without a host sync."""
+    flat = ids.reshape(-1).long()
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.argsort(flat, stable=True), torch.cumsum(counts, 0).to(torch.int32)
+
+
+def grouped_experts(rows, offs, gate_up, down):
+    """bf16 routed experts on rows sorted by expert: grouped GEMMs and the SiLU gate."""
+    g, u = torch._grouped_mm(rows, gate_up, offs=offs).chunk(2, dim=-1)
+    return torch._grouped_mm(torch.nn.functional.silu(g) * u, down, offs=offs)
+
+
+def dense_expert(x, shared):
+    """A dense shared expert (gate_up [H, 2 I_s], down [I_s, H]) in bf16."""
+    g, u = (x @ shared[0]).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u) @ shared[1]
+
+
 def bf16_moe(x, ids, weights, gate_up, down, out, shared=None):
     """The same routed layer in bf16: sort slots by expert, grouped GEMMs, SiLU gate, weighted scatter-add;
-    plus a dense shared expert (gate_up [H, 2 I_s], down [I_s, H]) when given."""
-    T, top_k = ids.shape
-    E = gate_up.shape[0]
-    flat = ids.reshape(-1).long()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    rows = x[order // top_k]
-    h = torch._grouped_mm(rows, gate_up, offs=offs)
-    g, u = h.chunk(2, dim=-1)
-    y = torch._grouped_mm(torch.nn.functional.silu(g) * u, down, offs=offs)
+    plus a dense shared expert when given."""
+    top_k = ids.shape[1]
+    order, offs = expert_order(ids, gate_up.shape[0])
+    y = grouped_experts(x[order // top_k], offs, gate_up, down)
     y = y * weights.reshape(-1)[order, None].to(y.dtype)
     out.zero_()
     out.index_add_(0, order // top_k, y.to(out.dtype))
     if shared is not None:
-        g, u = (x @ shared[0]).chunk(2, dim=-1)
-        out += (torch.nn.functional.silu(g) * u) @ shared[1]
+        out += dense_expert(x, shared)
 
 
-def time_bf16(layer, hidden, E, T, top_k, gen, shared=None):
+def time_bf16(layer, hidden, E, T, top_k, gen, shared=None) -> tuple:
+    """(the whole bf16 layer, its grouped GEMMs and SiLU alone with the rows sorted outside the timing), median us."""
     x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
     out = torch.empty(T, hidden, device="cuda", dtype=torch.bfloat16)
-    calls = [lambda r=r: bf16_moe(x, r[0], r[1], layer[0], layer[1], out, shared)
-             for r in routings(T, E, top_k, gen)]
-    return time_graph(calls, replays=10)
+    routes = routings(T, E, top_k, gen)
+    whole = time_graph([lambda r=r: bf16_moe(x, r[0], r[1], layer[0], layer[1], out, shared) for r in routes],
+                       replays=10)
+    def gemms_only(ids):
+        order, offs = expert_order(ids, E)
+        rows = x[order // top_k].contiguous()
+
+        def call():
+            grouped_experts(rows, offs, layer[0], layer[1])
+            if shared is not None:
+                dense_expert(x, shared)
+        return call
+    return whole, time_graph([gemms_only(ids) for ids, _ in routes], replays=10)
 
 
 def residual_stage(experts, scales, K, codebook, gen):
@@ -133,11 +155,12 @@ def main(args):
             shared = random_layer(hidden, inter, 1, LAYERS[key][:1], args.codebook, gen) if args.shared else None
             for T in args.tokens:
                 us, kernels = time_exl3(experts, T, top_k, gen, shared)
+                whole, gemms = bf16[T]
                 results.append(dict(shape=shape, K=key, codebook=args.codebook, tokens=T, us=round(us, 1),
-                                    bf16_us=round(bf16[T], 1), experts=kernels,
+                                    bf16_us=round(whole, 1), bf16_gemm_us=round(gemms, 1), experts=kernels,
                                     **({"shared": True} if args.shared else {})))
-                print(f"{shape:14s} K={str(key):10s} {args.codebook} T={T:5d} {us:9.1f} us  bf16 {bf16[T]:8.1f} us "
-                      f"ratio {us / bf16[T]:5.2f}", flush=True)
+                print(f"{shape:14s} K={str(key):10s} {args.codebook} T={T:5d} {us:9.1f} us  bf16 {whole:8.1f} us "
+                      f"ratio {us / whole:5.2f}  bf16 GEMMs only {gemms:8.1f} us ratio {us / gemms:5.2f}", flush=True)
             del experts
     return results
 

@@ -10,14 +10,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-from moe import SHAPES, TOKENS, bf16_layer, bf16_moe, routings  # noqa: E402
+from moe import SHAPES, TOKENS, bf16_layer, time_bf16  # noqa: E402
 
-from exl3moe.timing import run_info, time_graph  # noqa: E402
-
-
-def gemms_only(rows, offs, gate_up, down):
-    g, u = torch._grouped_mm(rows, gate_up, offs=offs).chunk(2, dim=-1)
-    return torch._grouped_mm(torch.nn.functional.silu(g) * u, down, offs=offs)
+from exl3moe.timing import run_info  # noqa: E402
 
 
 def main(args):
@@ -27,17 +22,7 @@ def main(args):
         hidden, inter, E, top_k = SHAPES[shape]
         gate_up, down = bf16_layer(hidden, inter, E, gen)
         for T in args.tokens:
-            x = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
-            out = torch.empty(T, hidden, device="cuda", dtype=torch.bfloat16)
-            routes = routings(T, E, top_k, gen)
-            whole = time_graph([lambda r=r: bf16_moe(x, r[0], r[1], gate_up, down, out) for r in routes], replays=10)
-            prepared = []
-            for ids, _ in routes:
-                flat = ids.reshape(-1).long()
-                order = torch.argsort(flat, stable=True)
-                offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).to(torch.int32)
-                prepared.append((x[order // top_k].contiguous(), offs))
-            gemm = time_graph([lambda p=p: gemms_only(p[0], p[1], gate_up, down) for p in prepared], replays=10)
+            whole, gemm = time_bf16((gate_up, down), hidden, E, T, top_k, gen)
             print(f"bf16 {shape:14s} T={T:5d} whole layer {whole:8.1f} us  grouped GEMMs + SiLU {gemm:8.1f} us",
                   flush=True)
             results.append({"shape": shape, "tokens": T, "whole_layer_us": round(whole, 1),
