@@ -62,6 +62,22 @@ __device__ __forceinline__ void role_registers() {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(begin ? PRODUCER_REGS : ENTRY_REGS));
 }
 
+// The block's two roles: producer warps run produce(cursor) (a ring cursor from 0), consumer warps consume(), each
+// with its role's registers; both leave with the entry count.
+template <class Produce, class Consume>
+__device__ __forceinline__ void ws_roles(Produce&& produce, Consume&& consume) {
+    if ((threadIdx.x >> 5) < PRODUCERS) {
+        role_registers<false, true>();
+        u32 cursor = 0;
+        produce(cursor);
+        role_registers<false, false>();
+        return;
+    }
+    role_registers<true, true>();
+    consume();
+    role_registers<true, false>();
+}
+
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
 
 // Producer warp p: tile column jt (the block's p % 8th) of the (2K, codebook) trellis `words`, ring stages
