@@ -197,21 +197,26 @@ __device__ __forceinline__ int consumer_group() {
 __device__ __forceinline__ int consumer_row0() { return 64 * consumer_group() + 16 * ((threadIdx.x >> 5) & 3); }
 
 // A consumer warpgroup of a block: its 64 rows by the block's 128 columns. It walks the ring in order (st, phase)
-// and stages x chunks into alternating buffers (the caller stages a range's first chunk with stage_first).
+// and stages x chunks into alternating buffers (the caller stages a range's first chunk with stage_first); a
+// warpgroup whose rows are all past the block's runs no wgmma (its accumulators stay as they are).
 struct Consumer {
     XStager stager;
     u32 desc_x, desc_w, st, phase, held, chunk;
+    bool has_rows;
 
     __device__ Consumer(const unsigned short* x, unsigned short* xs, u32* ring, int m0, int block_rows, int stride_x)
         : stager(x, xs, m0, block_rows, stride_x, threadIdx.x - PRODUCERS * 32), st(0), phase(0), held(0), chunk(0) {
-        desc_x = x_descriptor(smem_addr(xs) + consumer_group() * 64 * 128);
+        const int group = consumer_group();
+        desc_x = x_descriptor(smem_addr(xs) + group * 64 * 128);
         desc_w = ring_descriptor(smem_addr(ring));
+        has_rows = block_rows > 64 * group;
     }
 
     // Stage the rows of another block from now on; the walk of the ring and of the x buffers carries on.
     __device__ __forceinline__ void retarget(const unsigned short* x, unsigned short* xs, int m0, int block_rows,
                                              int stride_x) {
         stager = XStager(x, xs, m0, block_rows, stride_x, threadIdx.x - PRODUCERS * 32);
+        has_rows = block_rows > 64 * consumer_group();
     }
 
     __device__ __forceinline__ void stage_first(int kt) const { stager.stage(kt, chunk & 1); }
@@ -230,18 +235,20 @@ struct Consumer {
 #pragma unroll
             for (int q = 0; q < CHUNK / STAGE_KT; q++) {
                 mbar_wait(full + st, phase);
-                asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-                const u32 w_stage = desc_w + st * (STAGE_U32 * 4 >> 4);
+                if (has_rows) {
+                    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+                    const u32 w_stage = desc_w + st * (STAGE_U32 * 4 >> 4);
 #pragma unroll
-                for (int t = 0; t < STAGE_KT; t++) {
-                    const u32 s = STAGE_KT * q + t;   // k-tile within the chunk
-                    const u32 a = x_chunk + (((s >> 2) * WS_ROWS * 128 + (s & 3) * 32) >> 4);
-                    const u32 b = w_stage + t * (KTILE_U32 * 4 >> 4);
-                    wgmma_64x64(&acc[0][0][0][0], a, b);
-                    wgmma_64x64(&acc[0][4][0][0], a, b + (8 * 256 >> 4));   // column octets 8..15
+                    for (int t = 0; t < STAGE_KT; t++) {
+                        const u32 s = STAGE_KT * q + t;   // k-tile within the chunk
+                        const u32 a = x_chunk + (((s >> 2) * WS_ROWS * 128 + (s & 3) * 32) >> 4);
+                        const u32 b = w_stage + t * (KTILE_U32 * 4 >> 4);
+                        wgmma_64x64(&acc[0][0][0][0], a, b);
+                        wgmma_64x64(&acc[0][4][0][0], a, b + (8 * 256 >> 4));   // column octets 8..15
+                    }
+                    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                    wgmma_wait<1>();   // the previous stage's wgmmas are done with it
                 }
-                asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-                wgmma_wait<1>();   // the previous stage's wgmmas are done with it
                 if (holding) lane0_arrive(empty + held);
                 held = st;
                 holding = true;
