@@ -50,7 +50,9 @@ def plot_moe(doc):
             kernels = sel[0].get("experts", "triton")
             ax.plot([r["tokens"] for r in sel], [r["us"] for r in sel], "o-", label=f"exl3moe K={K} ({kernels})")
         bf = {r["tokens"]: r["bf16_us"] for r in res}
-        ax.plot(list(bf), list(bf.values()), "k-", label="bf16 grouped_mm")
+        ax.plot(list(bf), list(bf.values()), "k-", label="bf16 whole layer (grouped_mm)")
+        gemms = {r["tokens"]: r["bf16_gemm_us"] for r in res if "bf16_gemm_us" in r}
+        ax.plot(list(gemms), list(gemms.values()), "k:", label="bf16 grouped GEMMs only")
         ax.plot(list(EXL3_MOE[shape]), list(EXL3_MOE[shape].values()), "x--", label="exllamav3 (best path) K4")
         ax.set(xscale="log", yscale="log", xlabel="tokens", ylabel="us", title=f"{shape} on {doc['gpu']}")
         ax.legend(fontsize=7)
