@@ -20,6 +20,11 @@ static_assert((CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0, "a producer's sta
 constexpr int KTILE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
 constexpr u32 XS_BYTES = 32 * 1024;                    // one staged x chunk (128 rows x 128 inputs), 1024-aligned
+#ifndef WS_DIAG
+// Timing builds only (wrong results; scripts/ws_diag.sh): 1 no wgmma, 2 no decode, 4 no x staging, 8 no producer
+// proxy fence, 16 no trellis loads after the first, 32 no ring stores.
+#define WS_DIAG 0
+#endif
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -107,8 +112,13 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
             u32 b[STAGE_KT][4];
 #pragma unroll
             for (int t = 0; t < STAGE_KT; t++) {
-                T::decode_tile(buf[q][t], sh, b[t]);
-                stream.load(buf[q][t], t * k_tile);
+                if (WS_DIAG & 2) {
+#pragma unroll
+                    for (int f = 0; f < 4; f++) b[t][f] = buf[q][t][f % T::NW];
+                } else {
+                    T::decode_tile(buf[q][t], sh, b[t]);
+                }
+                if (!(WS_DIAG & 16)) stream.load(buf[q][t], t * k_tile);
             }
             if (j + PF_STAGES + 1 < mine) stream.advance(k_step);
             mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
@@ -118,8 +128,10 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
 #pragma unroll
             for (int t = 0; t < STAGE_KT; t++)
 #pragma unroll
-                for (int f = 0; f < 4; f++) dst[t * KTILE_U32 + 32 * f] = b[t][f];
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
+                for (int f = 0; f < 4; f++)
+                    if (!(WS_DIAG & 32)) dst[t * KTILE_U32 + 32 * f] = b[t][f];
+            if (!(WS_DIAG & 8))
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
             warp_arrive(full + s);
         }
     }
@@ -151,7 +163,7 @@ struct XStager {
         const char* p = reinterpret_cast<const char*>(src + c0 * 16);
         const u32 d = dst + buf * XS_BYTES;
 #pragma unroll
-        for (int i = 0; i < WS_ROWS / XS_PASS_ROWS; i++)
+        for (int i = 0; i < (WS_DIAG & 4 ? 0 : WS_ROWS / XS_PASS_ROWS); i++)
             asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d + i * XS_PASS_ROWS * 128),
                          "l"(p + (i < live ? i * row_step : 0)), "r"(i < live ? 16 : 0) : "memory");
         asm volatile("cp.async.commit_group;" ::: "memory");
@@ -209,14 +221,14 @@ struct Consumer {
         const int group = consumer_group();
         desc_x = x_descriptor(smem_addr(xs) + group * 64 * 128);
         desc_w = ring_descriptor(smem_addr(ring));
-        has_rows = block_rows > 64 * group;
+        has_rows = block_rows > 64 * group && !(WS_DIAG & 1);
     }
 
     // Stage the rows of another block from now on; the walk of the ring and of the x buffers carries on.
     __device__ __forceinline__ void retarget(const unsigned short* x, unsigned short* xs, int m0, int block_rows,
                                              int stride_x) {
         stager = XStager(x, xs, m0, block_rows, stride_x, threadIdx.x - PRODUCERS * 32);
-        has_rows = block_rows > 64 * consumer_group();
+        has_rows = block_rows > 64 * consumer_group() && !(WS_DIAG & 1);
     }
 
     __device__ __forceinline__ void stage_first(int kt) const { stager.stage(kt, chunk & 1); }
