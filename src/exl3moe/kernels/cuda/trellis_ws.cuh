@@ -221,14 +221,19 @@ struct Consumer {
         const int group = consumer_group();
         desc_x = x_descriptor(smem_addr(xs) + group * 64 * 128);
         desc_w = ring_descriptor(smem_addr(ring));
-        has_rows = block_rows > 64 * group && !(WS_DIAG & 1);
+        has_rows = runs_wgmma(block_rows, group);
+    }
+
+    // Whether warpgroup `group` has rows of a block of block_rows (and the build keeps its wgmma).
+    __device__ static __forceinline__ bool runs_wgmma(int block_rows, int group) {
+        return block_rows > 64 * group && !(WS_DIAG & 1);
     }
 
     // Stage the rows of another block from now on; the walk of the ring and of the x buffers carries on.
     __device__ __forceinline__ void retarget(const unsigned short* x, unsigned short* xs, int m0, int block_rows,
                                              int stride_x) {
         stager = XStager(x, xs, m0, block_rows, stride_x, threadIdx.x - PRODUCERS * 32);
-        has_rows = block_rows > 64 * consumer_group() && !(WS_DIAG & 1);
+        has_rows = runs_wgmma(block_rows, consumer_group());
     }
 
     __device__ __forceinline__ void stage_first(int kt) const { stager.stage(kt, chunk & 1); }
