@@ -13,7 +13,8 @@ import note_variants as nv
 if __name__ == "__main__":
     nv.pretend_sm90()
     for diag in sys.argv[1:] or ["0"]:
-        os.environ["EXL3MOE_NVRTC_DEFINES"] = f"WS_DIAG={diag}" if diag != "0" else ""
+        # A bare number is a WS_DIAG value; "A=1,B=2" is passed as it is (e.g. WS_TRACE=1,WS_DIAG=63).
+        os.environ["EXL3MOE_NVRTC_DEFINES"] = diag if "=" in diag else f"WS_DIAG={diag}" if diag != "0" else ""
         for shape in ((4096, 14336), (14336, 4096)):
             for rows in (64, 128):
                 LinearPlan(nv.weight(*shape, 4, "mcg"), rows)

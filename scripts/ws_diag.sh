@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 for diag in ${DIAGS:-0 1 2 4 15 31 47}; do
-  defines=$([ "$diag" = 0 ] && echo "" || echo "WS_DIAG=$diag")
+  defines=$(case "$diag" in 0) echo "";; *=*) echo "$diag";; *) echo "WS_DIAG=$diag";; esac)
   echo "== WS_DIAG=$diag"
   EXL3MOE_NVRTC_DEFINES=$defines timeout 60 python3 bench/linear.py --shapes 4096x14336 14336x4096 --bits 4 \
     --codebooks mcg --rows 128 --out "$OUT/ws_diag_linear.json" 2>&1 | grep rows

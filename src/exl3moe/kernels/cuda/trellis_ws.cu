@@ -21,10 +21,12 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
     const int split0 = blockIdx.y * splits_per_block, split1 = min(split0 + splits_per_block, splits);
     const int kt_begin = split0 * ktiles_per_split, kt_end = min(split1 * ktiles_per_split, ktiles_total);
 
+    ws_trace(0);
     if (warp < PRODUCERS) {
         role_registers<false, true>();
         produce<K2, CB>(sh.ring, sh.full, sh.empty, words, tiles_n, blockIdx.x * WS_TILES + warp % WS_TILES, kt_begin,
                         kt_end, warp, 0);
+        ws_trace(99);
         role_registers<false, false>();
     } else {
         role_registers<true, true>();
@@ -55,6 +57,7 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
             }
             zero_acc(acc);
         }
+        ws_trace(99);
         role_registers<true, false>();
     }
     constexpr int WARPS_ALL = PRODUCERS + CONSUMERS, R = (WS_ROWS + WARPS_ALL - 1) / WARPS_ALL;   // one pass of rows
@@ -65,6 +68,8 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
             v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
         };
         finish_group<R>(sum, svh, bias, out, out_dtype, m0, block_rows, blockIdx.x * 128, stride_out, WARPS_ALL);
+        ws_trace(100);
+        ws_trace_print();
         return;
     }
     if (!last_arrival(counters + blockIdx.z * (n / 128) + blockIdx.x, gridDim.y)) return;

@@ -25,6 +25,44 @@ constexpr u32 XS_BYTES = 32 * 1024;                    // one staged x chunk (12
 // proxy fence, 16 no trellis loads after the first, 32 no ring stores.
 #define WS_DIAG 0
 #endif
+#ifndef WS_TRACE
+#define WS_TRACE 0                                      // timing builds: block 0 records ring events (ws_trace)
+#endif
+#if WS_TRACE
+constexpr int TRACE_EVENTS = 1024;
+__device__ u32 ws_trace_events[32][2 * TRACE_EVENTS];
+__device__ __forceinline__ int& ws_trace_count(int warp) {
+    __shared__ int count[32];
+    return count[warp];
+}
+#endif
+
+// Lane 0 of block 0's warps notes (code, clock) in order (code 0 starts the warp's list); ws_trace_print writes them.
+__device__ __forceinline__ void ws_trace(int code) {
+#if WS_TRACE
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) == 0 && blockIdx.x + blockIdx.y + blockIdx.z == 0) {
+        int& n = ws_trace_count(warp);
+        if (code == 0) n = 0;
+        if (n < TRACE_EVENTS) {
+            ws_trace_events[warp][2 * n] = code;
+            ws_trace_events[warp][2 * n + 1] = (u32)clock();
+            n++;
+        }
+    }
+#endif
+}
+
+__device__ __forceinline__ void ws_trace_print() {
+#if WS_TRACE
+    const int warp = threadIdx.x >> 5;
+    if ((threadIdx.x & 31) != 0 || blockIdx.x + blockIdx.y + blockIdx.z != 0) return;
+    const u32* e = ws_trace_events[warp];
+    for (int i = 0; i < ws_trace_count(warp); i += 4)
+        printf("WS %d %d %u %u %u %u %u %u %u %u\n", warp, i, e[2 * i], e[2 * i + 1], e[2 * i + 2], e[2 * i + 3],
+               e[2 * i + 4], e[2 * i + 5], e[2 * i + 6], e[2 * i + 7]);
+#endif
+}
 
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 
@@ -121,7 +159,9 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
                 if (!(WS_DIAG & 16)) stream.load(buf[q][t], t * k_tile);
             }
             if (j + PF_STAGES + 1 < mine) stream.advance(k_step);
+            ws_trace(1);
             mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
+            ws_trace(2);
             // Fragment b[t][f] of every lane is one 8 x 8 core matrix of k-tile t (n-octet 2 jt + f / 2, k-octet
             // f % 2), 128 bytes.
             u32* dst = ring + s * STAGE_U32 + (p % WS_TILES) * 128 + lane;
@@ -133,6 +173,7 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
             if (!(WS_DIAG & 8))
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
             warp_arrive(full + s);
+            ws_trace(3);
         }
     }
 }
@@ -247,11 +288,14 @@ struct Consumer {
             asm volatile("cp.async.wait_group 0;" ::: "memory");            // this chunk's rows landed
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores
             consumers_sync();  // every consumer's rows are in xs[buf], and none reads xs[buf ^ 1]
+            ws_trace(10);
             const int next = c0 + CHUNK < kt1 ? c0 + CHUNK : next_kt;
             if (next >= 0) stager.stage(next, buf ^ 1);
 #pragma unroll
             for (int q = 0; q < CHUNK / STAGE_KT; q++) {
+                ws_trace(11);
                 mbar_wait(full + st, phase);
+                ws_trace(12);
                 if (has_rows) {
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
                     const u32 w_stage = desc_w + st * (STAGE_U32 * 4 >> 4);
@@ -264,8 +308,10 @@ struct Consumer {
                         wgmma_64x64(&acc[0][4][0][0], a, b + (8 * 256 >> 4));   // column octets 8..15
                     }
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+                    ws_trace(14);
                     wgmma_wait<1>();   // the previous stage's wgmmas are done with it
                 }
+                ws_trace(13);
                 if (holding) lane0_arrive(empty + held);
                 held = st;
                 holding = true;
