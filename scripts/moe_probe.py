@@ -55,6 +55,9 @@ def main(args):
             ids, weights = routings(T, E, top_k, gen)[0]
         out = torch.empty(T, hidden_size, device=device, dtype=torch.float16)
         runner.run(x, ids, weights, out)
+        if args.once:   # one call, for WS_TRACE builds (their block 0 prints its events)
+            torch.cuda.synchronize()
+            continue
         c = runner.plan.chunk_tokens  # the per-launch timings cover the first chunk
         parts = stages(runner, x[:c], ids[:c], weights[:c], out[:c])
         if args.dry_run:
@@ -83,4 +86,5 @@ if __name__ == "__main__":
     ap.add_argument("--target-warps", type=int, default=None, help="CUDA experts' split target (moe_mma.TARGET_WARPS)")
     ap.add_argument("--direct-max-slots", type=int, default=None, help="moe_mma.DIRECT_MAX_SLOTS (0: always pack)")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--once", action="store_true", help="run the layer once, time nothing (WS_TRACE builds)")
     main(ap.parse_args())

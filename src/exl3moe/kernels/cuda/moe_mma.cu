@@ -358,6 +358,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
 #if WS
     extern __shared__ __align__(16) unsigned char smem[];
     const WsShared sh(smem);
+    ws_trace(0);
     const int tiles_n = inter / 16, jt = cblock * 8 + warp % WS_TILES;
     ws_mainloop(sh, x_rot + (size_t)proj * capacity * hidden, start, nrows, hidden, kt0, kt1,
                 reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
@@ -368,6 +369,8 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                         store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start + row0) *
                                        inter, inter, nrows - row0, cblock * 8);
                 });
+    ws_trace(100);
+    ws_trace_print();
 #else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = inter / 16, mtiles = (nrows + 15) / 16;
 

@@ -299,14 +299,16 @@ struct Consumer {
                 if (has_rows) {
                     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
                     const u32 w_stage = desc_w + st * (STAGE_U32 * 4 >> 4);
+                    // Each accumulator's k-tiles back to back (columns 0..63, then 64..127, column octets 8..15).
 #pragma unroll
-                    for (int t = 0; t < STAGE_KT; t++) {
-                        const u32 s = STAGE_KT * q + t;   // k-tile within the chunk
-                        const u32 a = x_chunk + (((s >> 2) * WS_ROWS * 128 + (s & 3) * 32) >> 4);
-                        const u32 b = w_stage + t * (KTILE_U32 * 4 >> 4);
-                        wgmma_64x64(&acc[0][0][0][0], a, b);
-                        wgmma_64x64(&acc[0][4][0][0], a, b + (8 * 256 >> 4));   // column octets 8..15
-                    }
+                    for (int half = 0; half < 2; half++)
+#pragma unroll
+                        for (int t = 0; t < STAGE_KT; t++) {
+                            const u32 s = STAGE_KT * q + t;   // k-tile within the chunk
+                            const u32 a = x_chunk + (((s >> 2) * WS_ROWS * 128 + (s & 3) * 32) >> 4);
+                            const u32 b = w_stage + t * (KTILE_U32 * 4 >> 4) + half * (8 * 256 >> 4);
+                            wgmma_64x64(&acc[0][4 * half][0][0], a, b);
+                        }
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
                     ws_trace(14);
                     wgmma_wait<1>();   // the previous stage's wgmmas are done with it
