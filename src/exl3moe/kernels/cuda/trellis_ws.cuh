@@ -35,13 +35,16 @@ __device__ __forceinline__ int& ws_trace_count(int warp) {
     __shared__ int count[32];
     return count[warp];
 }
+__device__ __forceinline__ bool ws_traced_lane() {   // lane 0 of each warp of block 0
+    return (threadIdx.x & 31) == 0 && blockIdx.x + blockIdx.y + blockIdx.z == 0;
+}
 #endif
 
 // Lane 0 of block 0's warps notes (code, clock) in order (code 0 starts the warp's list); ws_trace_print writes them.
 __device__ __forceinline__ void ws_trace(int code) {
 #if WS_TRACE
-    const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) == 0 && blockIdx.x + blockIdx.y + blockIdx.z == 0) {
+    if (ws_traced_lane()) {
+        const int warp = threadIdx.x >> 5;
         int& n = ws_trace_count(warp);
         if (code == 0) n = 0;
         if (n < TRACE_EVENTS) {
@@ -56,7 +59,7 @@ __device__ __forceinline__ void ws_trace(int code) {
 __device__ __forceinline__ void ws_trace_print() {
 #if WS_TRACE
     const int warp = threadIdx.x >> 5;
-    if ((threadIdx.x & 31) != 0 || blockIdx.x + blockIdx.y + blockIdx.z != 0) return;
+    if (!ws_traced_lane()) return;
     const u32* e = ws_trace_events[warp];
     for (int i = 0; i < ws_trace_count(warp); i += 4)
         printf("WS %d %d %u %u %u %u %u %u %u %u\n", warp, i, e[2 * i], e[2 * i + 1], e[2 * i + 2], e[2 * i + 3],
