@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 call: ring timelines of trellis_ws block 0 (WS_TRACE builds, scripts/ws_trace.py) for each define set in
-# $TRACES, then bench/linear.py timings (4096x14336 and 14336x4096 K4 MCG, 128 rows) for each set in $TIMES
-# ("0" the real kernel). Note the variants first (scripts/note_ws_diag.py with the same sets) and warm the cache.
+# $TRACES (4096x14336 K4 MCG, 128 rows); timings of the same sets come from scripts/ws_diag.sh (DIAGS). Note the
+# variants first (scripts/note_ws_diag.py with the same sets) and warm the cache.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"
@@ -10,9 +10,4 @@ for defs in ${TRACES:-WS_TRACE=1 WS_TRACE=1,WS_DIAG=63}; do
   echo "== trace $defs"
   EXL3MOE_NVRTC_DEFINES=$defs timeout 60 python3 scripts/ncu_linear_target.py 128 > "$OUT/trace_${defs//[,=]/_}.txt"
   python3 scripts/ws_trace.py "$OUT/trace_${defs//[,=]/_}.txt"
-done
-for defs in ${TIMES:-0}; do
-  echo "== time $defs"
-  EXL3MOE_NVRTC_DEFINES=$([ "$defs" = 0 ] || echo "$defs") timeout 60 python3 bench/linear.py \
-    --shapes 4096x14336 14336x4096 --bits 4 --codebooks mcg --rows 128 --out "$OUT/ws_time.json" 2>&1 | grep rows
 done
