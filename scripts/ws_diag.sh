@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call: where the warp-specialized kernels' time goes. For each WS_DIAG value in $DIAGS (trellis_ws.cuh:
-# timing-only builds that leave parts out, 0 the real kernel; "A=1,B=2" is a define set as it is), the linear 4096x14336 and 14336x4096 K4 MCG at 128 rows
-# and the MoE probe (Qwen3 K4, 1024 tokens). Build the variants first: scripts/note_ws_diag.py $DIAGS, then
-# scripts/warm_cache.py (same EXL3MOE_CACHE_DIR).
+# timing-only builds that leave parts out, 0 the real kernel; "A=1,B=2" a define set as it is), the linear
+# 4096x14336 and 14336x4096 K4 MCG at 128 rows and the MoE probe (Qwen3 K4, 1024 tokens). Build the variants first:
+# scripts/note_ws_diag.py $DIAGS, then scripts/warm_cache.py (same EXL3MOE_CACHE_DIR).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"
