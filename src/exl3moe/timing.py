@@ -9,7 +9,7 @@ import triton
 L2_ROTATION_BYTES = 240 << 20  # four times the H200's 60 MB L2, so every call reads from HBM
 
 
-def copies_for(bytes_per_copy: int, at_least: int = 2, at_most: int = 64) -> int:
+def copies_for(bytes_per_copy: int, at_least: int = 2, at_most: int = 1024) -> int:
     return max(at_least, min(at_most, -(-L2_ROTATION_BYTES // max(1, bytes_per_copy))))
 
 

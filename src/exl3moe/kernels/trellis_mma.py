@@ -66,6 +66,26 @@ def variant_for(rows: int, k: int, n: int) -> tuple:
     return m_tiles(rows), fuses_rotation(rows, k, n)
 
 
+def words_per_lane(K: float) -> int:
+    """Trellis<2K, .>::NW of trellis_core.cuh: 32-bit words a lane loads per tile."""
+    k2 = int(K * 2)
+    s0, span = k2 // 2, 4 * k2 - k2 // 2 + 16
+    first = ((s0 - 16) % 32) if k2 % 8 == 0 else 31
+    return (first + span + 31) // 32
+
+
+WHOLE_SPLIT_PREFETCH, WHOLE_SPLIT_MAX_BLOCKS = CHUNK_K // 16, 512
+
+
+def prefetch_for(rows: int, k: int, n: int, K: float) -> int:
+    """PF of the planned kernel: a one-chunk split's words all loaded up front where they fit in registers (two words
+    per tile) and the grid is small enough for the extra registers (a few blocks per SM); PREFETCH otherwise."""
+    tiles, mt = plan_mma(k, n), m_tiles(rows)
+    blocks = n // (16 * WARPS * (2 if mt <= 2 else 1)) * tiles.splits
+    whole = tiles.ktiles_per_split == WHOLE_SPLIT_PREFETCH and mt == 1 and words_per_lane(K) <= 2
+    return WHOLE_SPLIT_PREFETCH if whole and blocks <= WHOLE_SPLIT_MAX_BLOCKS else PREFETCH
+
+
 def pair_scalar(mt: int) -> int:
     """The decode's pair-sum variant (PAIR_SCALAR in trellis_core.cuh) for blocks of mt m16 tiles: the sums go
     to the FMA pipe where the ALU pipe bounds the loop (few rows); every variant decodes the same bits."""
@@ -186,7 +206,7 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
 
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
-                tiles: MmaTiles, prefetch: int = PREFETCH, nt: int | None = None,
+                tiles: MmaTiles, prefetch: int | None = None, nt: int | None = None,
                 mt: int | None = None) -> torch.Tensor:
     """out [rows, n] = Hn(x_rot @ W_inner) * svh + bias, x_rot = Hn(x * suh) rotated here when
     fuses_rotation(rows, k, n), else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch.
@@ -195,7 +215,9 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     tiles_n = w.trellis.shape[1]
     planned_mt, fuse_in = variant_for(rows, k, tiles_n * 16)
     mt = mt or planned_mt
-    planned = mt == planned_mt and prefetch == PREFETCH and nt is None
+    planned_pf = prefetch_for(rows, k, tiles_n * 16, w.K)
+    planned = mt == planned_mt and prefetch in (None, planned_pf) and nt is None
+    prefetch = prefetch or planned_pf
     if planned and not fuse_in and uses_ws(rows, k, tiles_n * 16, x.device):
         _launch_ws(x, w, partials, counters, out, tiles)
         return out

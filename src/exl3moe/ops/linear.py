@@ -14,8 +14,8 @@ from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
 from ..kernels.trellis_mma import (counter_count, decode_dense, dense_epilogue, dense_kernel, fuses_rotation,
-                                   mma_kernel, plan_mma, rotate_input, rotate_kernel, trellis_mma, uses_ws, variant_for,
-                                   ws_kernel)
+                                   mma_kernel, plan_mma, prefetch_for, rotate_input, rotate_kernel, trellis_mma,
+                                   uses_ws, variant_for, ws_kernel)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -122,8 +122,9 @@ class LinearPlan:
         self.mma = plan_mma(k, n) if nvrtc.available(w.device) else None
         if self.mma is not None:
             fused_rows = range(1, min(max_rows, MAX_FUSED_ROWS) + 1)
-            for mt, fuse_in in {variant_for(rows, k, n) for rows in fused_rows}:
-                mma_kernel(w.K, w.codebook, mt, w.device, fuse_in)
+            for mt, fuse_in, prefetch in {variant_for(rows, k, n) + (prefetch_for(rows, k, n, w.K),)
+                                          for rows in fused_rows}:
+                mma_kernel(w.K, w.codebook, mt, w.device, fuse_in, prefetch)
             if any(uses_ws(rows, k, n, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
                 ws_kernel(w.K, w.codebook, w.device)
             if not fuses_rotation(max_rows, k, n):

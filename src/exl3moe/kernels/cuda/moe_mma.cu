@@ -24,6 +24,13 @@ static_assert(WARPS * 32 == WS_THREADS, "a warp-specialized block is its produce
 #endif
 
 constexpr int BLOCK_M = 16 * MT;
+constexpr int SPLIT_BATCH = DIRECT_ROUTE ? 4 : 1;   // split loads in flight at once in the epilogues (add_splits)
+// A direct route's gate/up without residual stages finishes its one row in two warps (finish_one_row) and has L2
+// fetch the epilogue's vectors first; with stages compiled in, ptxas gives the mainloops more registers for it.
+#ifndef STAGED
+#define STAGED 0
+#endif
+#define DIRECT_FINISH (DIRECT_ROUTE && !STAGED)
 
 __device__ __forceinline__ float sigmoid(float x) {
     const float e = expf(-fabsf(x));
@@ -58,6 +65,15 @@ __device__ __forceinline__ bool route_block(int b, const int* block_expert, cons
     start = block_start[b];
     nrows = min(BLOCK_M, offsets[expert + 1] - start);
     return true;
+#endif
+}
+
+// Flat slot of sorted position pos (a direct route's positions are its slots).
+__device__ __forceinline__ int slot_at(const int* sorted_slots, int pos) {
+#if DIRECT_ROUTE
+    return pos;
+#else
+    return sorted_slots[pos];
 #endif
 }
 
@@ -330,6 +346,39 @@ moe_rotate_input(const unsigned short* __restrict__ x, int flags, int stride_x,
 
 __device__ __forceinline__ float bias_at(const float* bias, size_t i) { return bias != nullptr ? bias[i] : 0.f; }
 
+// A direct route's gate/up epilogue (one row; pointers at the lane's column group): gate (warp 0) and up (warp 1)
+// summed and finished at once, then the activation and down's input rotation in warp 0 (not inlined: fewer
+// registers for the mainloop).
+__device__ __noinline__ void finish_one_row(const float* part, size_t up_offset, size_t split_stride, int splits,
+                                            const unsigned short* gate_svh, const unsigned short* up_svh,
+                                            const unsigned short* down_suh, const float* gate_bias,
+                                            const float* up_bias, int activation, int has_limit, float limit,
+                                            unsigned short* h_rot) {
+    __shared__ float finished[2][128];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (warp < 2) {
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        add_splits<4, true>(v, part + warp * up_offset, split_stride, splits);
+        hadamard128_warp(v, lane);
+        const unsigned short* svh = warp ? up_svh : gate_svh;
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            finished[warp][4 * lane + j] = v[j] * INV_SQRT_128 * half_to_float(svh[j]) +
+                                           bias_at(warp ? up_bias : gate_bias, j);
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float h[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            h[j] = activate(finished[0][4 * lane + j], finished[1][4 * lane + j], activation, has_limit, limit) *
+                   half_to_float(down_suh[j]);
+        hadamard128_warp(h, lane);
+#pragma unroll
+        for (int j = 0; j < 4; j++) h_rot[j] = float_to_half(h[j] * INV_SQRT_128);
+    }
+}
+
 #if !WS || defined(WS_PRODUCE_GATE_UP)
 extern "C" __global__ void KERNEL_BOUNDS
 moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, const int* __restrict__ block_expert,
@@ -343,6 +392,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 int capacity, unsigned short* __restrict__ h_rot, int* __restrict__ counters, int ktiles_per_split,
                 int splits, int activation, int has_limit, float limit, const unsigned short* __restrict__ x_rot,
                 int ids_64) {
+    TRACE_BEGIN;
 #if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
 #endif
@@ -373,6 +423,16 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     ws_trace_print();
 #else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = inter / 16, mtiles = (nrows + 15) / 16;
+    if (DIRECT_FINISH && warp == WARPS - 1) {   // the epilogue's vectors of this column block
+        const int col = cblock * 128;
+        prefetch_l2(reinterpret_cast<const unsigned short*>(svh_addr[expert]) + col, 256, lane);
+        prefetch_l2(reinterpret_cast<const unsigned short*>(svh_addr[num_experts + expert]) + col, 256, lane);
+        prefetch_l2(reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]) + col, 256, lane);
+        if (bias != nullptr) {
+            prefetch_l2(bias + (size_t)expert * inter + col, 512, lane);
+            prefetch_l2(bias + ((size_t)num_experts + expert) * inter + col, 512, lane);
+        }
+    }
 
     auto stage = [&](int c0) {
 #if PRE_ROTATED
@@ -385,17 +445,26 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 xs[(nrows + v / 128) * XS + v % 128] = 0;
         }
         for (int r = warp; r < nrows; r += WARPS)
-            rotate_chunk(xs + r * XS, x + (size_t)(sorted_slots[start + r] / top_k) * stride_x, x_bf16, suh, c0, lane);
+            rotate_chunk(xs + r * XS, x + (size_t)(slot_at(sorted_slots, start + r) / top_k) * stride_x, x_bf16, suh,
+                         c0, lane);
 #endif
+        if (c0 == kt0) TRACE_MARK(1);
     };
     float acc[MT][NT][2][4];
     zero_acc(acc);
+    TRACE_MARK(0);
     DISPATCH_GATE_UP(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                [&](const u32* words, int key) { STAGE_DISPATCH_GATE_UP(acc, words, key) });
     store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows, jt0);
 #endif
-    if (!last_arrival(counters + b * (inter / 128) + cblock, 2 * splits)) return;
+    TRACE_MARK(2);
+    if (!last_arrival(counters + b * (inter / 128) + cblock, 2 * splits)) {
+        TRACE_MARK(3);
+        TRACE_PRINT(1);
+        return;
+    }
+    TRACE_MARK(3);
 
     const int c = cblock * 128 + 4 * lane;
     const unsigned short* gate_svh = reinterpret_cast<const unsigned short*>(svh_addr[expert]);
@@ -403,10 +472,15 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const unsigned short* down_suh = reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]);
     const float* gate_bias = bias != nullptr ? bias + (size_t)expert * inter : nullptr;
     const float* up_bias = bias != nullptr ? bias + ((size_t)num_experts + expert) * inter : nullptr;
+#if DIRECT_FINISH
+    finish_one_row(part + (size_t)start * inter + c, (size_t)capacity * inter, split_stride, splits, gate_svh + c,
+                   up_svh + c, down_suh + c, gate_bias ? gate_bias + c : nullptr, up_bias ? up_bias + c : nullptr,
+                   activation, has_limit, limit, h_rot + (size_t)start * inter + c);
+#else
     for (int r = warp; r < nrows; r += WARPS) {
         float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f}, h[4];
-        add_splits(g, part + (size_t)(start + r) * inter + c, split_stride, splits);
-        add_splits(u, part + ((size_t)capacity + start + r) * inter + c, split_stride, splits);
+        add_splits<SPLIT_BATCH, true>(g, part + (size_t)(start + r) * inter + c, split_stride, splits);
+        add_splits<SPLIT_BATCH, true>(u, part + ((size_t)capacity + start + r) * inter + c, split_stride, splits);
         hadamard128_warp(g, lane);
         hadamard128_warp(u, lane);
 #pragma unroll
@@ -419,6 +493,9 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
 #pragma unroll
         for (int j = 0; j < 4; j++) h_rot[(size_t)(start + r) * inter + c + j] = float_to_half(h[j] * INV_SQRT_128);
     }
+#endif
+    TRACE_MARK(4);
+    TRACE_PRINT(1);
 }
 #endif
 
@@ -436,6 +513,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
              int* token_counters, int top_k) {
     const Combine combine{ids, ids_64, weights, weights_dtype, shared_y, out, out_dtype, stride_out, token_counters,
                           top_k};
+    TRACE_BEGIN;
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
     const int b = blockIdx.x;
     int expert, start, nrows;
@@ -453,30 +531,43 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     const size_t split_stride = (size_t)capacity * hidden;
     const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 
-    auto stage = [&](int c0) { copy_rows(xs, h_rot, start, nrows, inter, c0); };  // h_rot rows: rotated input
+    auto stage = [&](int c0) {   // h_rot rows: rotated input
+        copy_rows(xs, h_rot, start, nrows, inter, c0);
+        if (c0 == kt0) TRACE_MARK(1);
+    };
     float acc[MT][NT][2][4];
     zero_acc(acc);
+    TRACE_MARK(0);
     DISPATCH_DOWN(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                [&](const u32* words, int key) { STAGE_DISPATCH_DOWN(acc, words, key) });
     store_partials(acc, part + split * split_stride + (size_t)start * hidden, hidden, nrows, jt0);
-    if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) return;
+    TRACE_MARK(2);
+    if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) {
+        TRACE_MARK(3);
+        TRACE_PRINT(2);
+        return;
+    }
+    TRACE_MARK(3);
 
     const int c = cblock * 128 + 4 * lane;
     const unsigned short* svh = reinterpret_cast<const unsigned short*>(svh_addr[index]);
     const float* down_bias = bias != nullptr ? bias + (size_t)expert * hidden : nullptr;
     for (int r = warp; r < nrows; r += WARPS) {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
-        add_splits(v, part + (size_t)(start + r) * hidden + c, split_stride, splits);
+        add_splits<SPLIT_BATCH, true>(v, part + (size_t)(start + r) * hidden + c, split_stride, splits);
         hadamard128_warp(v, lane);
-        const size_t slot = sorted_slots[start + r];
+        const size_t slot = slot_at(sorted_slots, start + r);
 #pragma unroll
         for (int j = 0; j < 4; j++)
             y[slot * hidden + c + j] = v[j] * INV_SQRT_128 * half_to_float(svh[c + j]) + bias_at(down_bias, c + j);
     }
+    TRACE_MARK(4);
 #if DIRECT_ROUTE
     combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
 #endif
+    TRACE_MARK(5);
+    TRACE_PRINT(2);
 }
 #endif
 

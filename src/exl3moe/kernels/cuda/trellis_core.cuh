@@ -15,6 +15,36 @@ constexpr int CHUNK = 8;                   // k-tiles per staged x chunk (128 in
 #define KTILE_UNROLL CHUNK                 // k-tiles per unrolled mainloop body: a multiple of PF, dividing CHUNK
 #endif
 static_assert(CHUNK % KTILE_UNROLL == 0, "KTILE_UNROLL must divide CHUNK");
+#ifndef BLOCK_TRACE
+#define BLOCK_TRACE 0                      // timing builds: thread 0 of every block prints its phase marks
+#endif
+
+#if BLOCK_TRACE
+// Thread 0's marks: globaltimer (ns) at the start and at the print, SM clock cycles since the start at each mark.
+struct BlockTrace {
+    unsigned long long start_ns;
+    long long start_clock;
+    int marks[6] = {};
+    __device__ BlockTrace() : start_clock(clock64()) { asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start_ns)); }
+    __device__ void mark(int i) { marks[i] = (int)(clock64() - start_clock); }
+    __device__ void print(int kernel) const {
+        unsigned long long end_ns;
+        int smid;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(end_ns));
+        asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+        if (threadIdx.x == 0)
+            printf("TR %d %d %d %d %d %llu %llu %d %d %d %d %d %d\n", kernel, blockIdx.x, blockIdx.y, blockIdx.z, smid,
+                   start_ns, end_ns, marks[0], marks[1], marks[2], marks[3], marks[4], marks[5]);
+    }
+};
+#define TRACE_BEGIN BlockTrace block_trace
+#define TRACE_MARK(i) block_trace.mark(i)
+#define TRACE_PRINT(kernel) block_trace.print(kernel)
+#else
+#define TRACE_BEGIN
+#define TRACE_MARK(i)
+#define TRACE_PRINT(kernel)
+#endif
 
 __device__ __forceinline__ u32 lop3_mask_xor(u32 x) {
     u32 r;
@@ -286,43 +316,51 @@ __device__ __forceinline__ void store_partials(const float (&acc)[MT_][NT_][2][4
 }
 
 // True in every thread of the block that is the last of `arrivals` to reach *counter (which it resets to 0);
-// its later reads see every earlier arrival's partials.
+// its later reads see every earlier arrival's partials. The block's writes reach thread 0 through the barrier, and
+// its acq_rel atomic releases them and acquires the earlier arrivals' (the grid-barrier pattern).
 __device__ __forceinline__ bool last_arrival(int* counter, int arrivals) {
     __shared__ int is_last;
-    __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
-        const int seen = atomicAdd(counter, 1);
+        int seen;
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
         is_last = seen == arrivals - 1;
         if (is_last) *counter = 0;
     }
     __syncthreads();
-    const bool last = is_last;
-    if (last) __threadfence();
-    return last;
+    return is_last;
 }
 
 // v[j] += sum over s < splits, in order, of p[s * split_stride + j] (4 consecutive fp32, read through L2). BATCH > 1
-// issues the loads of BATCH splits together, the additions still in split order (the same bytes); it changes how
-// ptxas allocates the rest of the kernel, so callers choose it per kernel.
-template <int BATCH = 1>
+// issues the loads of BATCH splits together, the additions still in split order (the same bytes); PAD runs the last
+// partial batch the same way (else split by split). Both change how ptxas allocates the rest of the kernel, so
+// callers choose them per kernel.
+template <int BATCH = 1, bool PAD = false>
 __device__ __forceinline__ void add_splits(float (&v)[4], const float* p, size_t split_stride, int splits) {
     int s = 0;
     if constexpr (BATCH > 1) {
-        for (; s + BATCH <= splits; s += BATCH) {
+        for (; PAD ? s < splits : s + BATCH <= splits; s += BATCH) {
             float4 q[BATCH];
 #pragma unroll
-            for (int b = 0; b < BATCH; b++) q[b] = __ldcg(reinterpret_cast<const float4*>(p + (s + b) * split_stride));
+            for (int b = 0; b < BATCH; b++)
+                if (!PAD || s + b < splits) q[b] = __ldcg(reinterpret_cast<const float4*>(p + (s + b) * split_stride));
 #pragma unroll
-            for (int b = 0; b < BATCH; b++) {
-                v[0] += q[b].x; v[1] += q[b].y; v[2] += q[b].z; v[3] += q[b].w;
-            }
+            for (int b = 0; b < BATCH; b++)
+                if (!PAD || s + b < splits) {
+                    v[0] += q[b].x; v[1] += q[b].y; v[2] += q[b].z; v[3] += q[b].w;
+                }
         }
     }
     for (; s < splits; s++) {
         const float4 q = __ldcg(reinterpret_cast<const float4*>(p + s * split_stride));
         v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
     }
+}
+
+// Lane l asks L2 for bytes [128 l, 128 l + 128) of p (an epilogue's vector slice), so the epilogue finds them there.
+__device__ __forceinline__ void prefetch_l2(const void* p, int bytes, int lane) {
+    if (p != nullptr && 128 * lane < bytes)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(p) + 128 * lane));
 }
 
 template <int MT_, int NT_>
@@ -371,13 +409,13 @@ __device__ __forceinline__ void finish_group(Sum&& sum, const unsigned short* sv
 }
 
 // The last block of a (row block, 128 columns) group: finish_group over the sum of the splits of part, in order.
-template <int R, int BATCH>
+template <int R, int BATCH, bool PAD = false>
 __device__ __forceinline__ void reduce_group(const float* part, const unsigned short* svh, const unsigned short* bias,
                                              void* out, int out_dtype, int rows, int n, int m0, int block_rows,
                                              int group_col, int stride_out, int splits, int warps) {
     const int c = group_col + 4 * (threadIdx.x & 31);
     auto sum = [&](float (&v)[4], int r) {
-        add_splits<BATCH>(v, part + (size_t)(m0 + r) * n + c, (size_t)rows * n, splits);
+        add_splits<BATCH, PAD>(v, part + (size_t)(m0 + r) * n + c, (size_t)rows * n, splits);
     };
     finish_group<R>(sum, svh, bias, out, out_dtype, m0, block_rows, group_col, stride_out, warps);
 }

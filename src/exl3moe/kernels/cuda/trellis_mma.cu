@@ -31,6 +31,7 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
             const unsigned short* __restrict__ bias, void* __restrict__ out, int out_dtype, int* __restrict__ counters,
             int rows, int n, int tiles_n, int ktiles_total, int ktiles_per_split, int stride_x, int stride_out,
             int splits) {
+    TRACE_BEGIN;
     __shared__ __align__(16) unsigned short xs[16 * MT * XS];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int split = blockIdx.y;
@@ -39,6 +40,12 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
     const int kt0 = split * ktiles_per_split;
     const int kt1 = min(kt0 + ktiles_per_split, ktiles_total);
     const int jt0 = (blockIdx.x * WARPS + warp) * NT;
+    constexpr int BLOCK_COLS = WARPS * NT * 16;
+    const int group_col = (blockIdx.x * BLOCK_COLS) / 128 * 128;
+    if (warp == WARPS - 1) {
+        prefetch_l2(svh + group_col, 256, lane);
+        prefetch_l2(bias != nullptr ? bias + group_col : nullptr, 256, lane);
+    }
 
     float acc[MT][NT][2][4];
     zero_acc(acc);
@@ -69,14 +76,21 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
             *reinterpret_cast<uint4*>(xs + r * XS + c) = val;
         }
 #endif
+        if (c0 == kt0) TRACE_MARK(1);
     });
     store_partials(acc, part + ((size_t)split * rows + m0) * n, n, block_rows, jt0);
+    TRACE_MARK(2);
 
     // The last block of this (row block, 128 columns) to finish reduces the splits and writes the output.
-    constexpr int BLOCK_COLS = WARPS * NT * 16;
-    const int group_col = (blockIdx.x * BLOCK_COLS) / 128 * 128;
-    if (!last_arrival(counters + blockIdx.z * (n / 128) + group_col / 128, splits * (128 / BLOCK_COLS))) return;
+    if (!last_arrival(counters + blockIdx.z * (n / 128) + group_col / 128, splits * (128 / BLOCK_COLS))) {
+        TRACE_MARK(3);
+        TRACE_PRINT(0);
+        return;
+    }
+    TRACE_MARK(3);
     // Batched split loads at one m16 tile only: with them, ptxas gives the 2- to 8-tile mainloops fewer registers.
-    reduce_group<MT, MT == 1 ? 4 : 1>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, group_col, stride_out,
-                                      splits, WARPS);
+    reduce_group<MT, MT == 1 ? 4 : 1, true>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, group_col,
+                                            stride_out, splits, WARPS);
+    TRACE_MARK(4);
+    TRACE_PRINT(0);
 }
