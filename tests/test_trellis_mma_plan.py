@@ -114,3 +114,34 @@ def test_warp_specialized_kernel_takes_every_weight_from_the_row_threshold(monke
     for capability in ((8, 0), (10, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
         assert not tm.uses_ws(128, 2048, 768, cuda), "wgmma is sm_90a only"
+
+
+@pytest.mark.parametrize("K", [1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
+def test_words_per_lane_cover_every_lane_window(K):
+    from exl3moe.kernels.trellis_mma import words_per_lane
+
+    k2 = int(K * 2)
+    span = 4 * k2 - k2 // 2 + 16  # a lane's windows: bits [first, first + span) of the tile's ring
+    touched = [(first + span - 1) // 32 - first // 32 + 1
+               for first in (4 * lane * k2 + k2 // 2 - 16 + 128 * k2 for lane in range(32))]
+    assert max(touched) <= words_per_lane(K)
+    if k2 % 8 == 0:  # every lane starts at the same bit offset: no word to spare
+        assert max(touched) == words_per_lane(K)
+
+
+def test_whole_split_prefetch_only_on_small_grids_of_two_word_formats():
+    from exl3moe.kernels.trellis_mma import PREFETCH, WHOLE_SPLIT_PREFETCH, prefetch_for
+
+    assert [prefetch_for(1, 768, 2048, K) for K in (1, 1.5, 2, 3, 4, 6, 8)] == \
+        [WHOLE_SPLIT_PREFETCH] * 3 + [PREFETCH, WHOLE_SPLIT_PREFETCH, PREFETCH, PREFETCH]
+    assert prefetch_for(16, 1408, 4096, 4) == WHOLE_SPLIT_PREFETCH and prefetch_for(17, 1408, 4096, 4) == PREFETCH
+    assert prefetch_for(1, 4096, 14336, 4) == PREFETCH  # splits of four chunks
+    assert prefetch_for(1, 4096, 4096, 4) == PREFETCH  # one-chunk splits, but 1024 blocks
+
+
+def test_benchmark_copies_cycle_past_the_l2():
+    from exl3moe.timing import L2_ROTATION_BYTES, copies_for
+
+    for size in (393216, 786432, 29360128):
+        assert copies_for(size) * size >= L2_ROTATION_BYTES
+    assert copies_for(1 << 30) == 2
