@@ -346,6 +346,24 @@ moe_rotate_input(const unsigned short* __restrict__ x, int flags, int stride_x,
 
 __device__ __forceinline__ float bias_at(const float* bias, size_t i) { return bias != nullptr ? bias[i] : 0.f; }
 
+// A finished gate or up value: its column's Hn(sum) / sqrt(128) * svh + bias (v: the Hadamard of the split sum).
+__device__ __forceinline__ float finished(float v, const unsigned short* svh, const float* bias, int j) {
+    return v * INV_SQRT_128 * half_to_float(svh[j]) + bias_at(bias, j);
+}
+
+// h_rot[j] = fp16(Hn(act(gate, up) * down's suh) / sqrt(128)) of a lane's 4 columns, from finished gate and up.
+template <class Gate, class Up>
+__device__ __forceinline__ void store_activated(Gate&& gate, Up&& up, const unsigned short* down_suh, int activation,
+                                                int has_limit, float limit, unsigned short* h_rot, int lane) {
+    float h[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        h[j] = activate(gate(j), up(j), activation, has_limit, limit) * half_to_float(down_suh[j]);
+    hadamard128_warp(h, lane);
+#pragma unroll
+    for (int j = 0; j < 4; j++) h_rot[j] = float_to_half(h[j] * INV_SQRT_128);
+}
+
 // A direct route's gate/up epilogue (one row; pointers at the lane's column group): gate (warp 0) and up (warp 1)
 // summed and finished at once, then the activation and down's input rotation in warp 0 (not inlined: fewer
 // registers for the mainloop).
@@ -354,29 +372,20 @@ __device__ __noinline__ void finish_one_row(const float* part, size_t up_offset,
                                             const unsigned short* down_suh, const float* gate_bias,
                                             const float* up_bias, int activation, int has_limit, float limit,
                                             unsigned short* h_rot) {
-    __shared__ float finished[2][128];
+    __shared__ float done[2][128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (warp < 2) {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
         add_splits<4, true>(v, part + warp * up_offset, split_stride, splits);
         hadamard128_warp(v, lane);
-        const unsigned short* svh = warp ? up_svh : gate_svh;
 #pragma unroll
         for (int j = 0; j < 4; j++)
-            finished[warp][4 * lane + j] = v[j] * INV_SQRT_128 * half_to_float(svh[j]) +
-                                           bias_at(warp ? up_bias : gate_bias, j);
+            done[warp][4 * lane + j] = finished(v[j], warp ? up_svh : gate_svh, warp ? up_bias : gate_bias, j);
     }
     __syncthreads();
-    if (warp == 0) {
-        float h[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            h[j] = activate(finished[0][4 * lane + j], finished[1][4 * lane + j], activation, has_limit, limit) *
-                   half_to_float(down_suh[j]);
-        hadamard128_warp(h, lane);
-#pragma unroll
-        for (int j = 0; j < 4; j++) h_rot[j] = float_to_half(h[j] * INV_SQRT_128);
-    }
+    if (warp == 0)
+        store_activated([&](int j) { return done[0][4 * lane + j]; }, [&](int j) { return done[1][4 * lane + j]; },
+                        down_suh, activation, has_limit, limit, h_rot, lane);
 }
 
 #if !WS || defined(WS_PRODUCE_GATE_UP)
@@ -478,20 +487,14 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                    activation, has_limit, limit, h_rot + (size_t)start * inter + c);
 #else
     for (int r = warp; r < nrows; r += WARPS) {
-        float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f}, h[4];
+        float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
         add_splits<SPLIT_BATCH, true>(g, part + (size_t)(start + r) * inter + c, split_stride, splits);
         add_splits<SPLIT_BATCH, true>(u, part + ((size_t)capacity + start + r) * inter + c, split_stride, splits);
         hadamard128_warp(g, lane);
         hadamard128_warp(u, lane);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const float gv = g[j] * INV_SQRT_128 * half_to_float(gate_svh[c + j]) + bias_at(gate_bias, c + j);
-            const float uv = u[j] * INV_SQRT_128 * half_to_float(up_svh[c + j]) + bias_at(up_bias, c + j);
-            h[j] = activate(gv, uv, activation, has_limit, limit) * half_to_float(down_suh[c + j]);
-        }
-        hadamard128_warp(h, lane);
-#pragma unroll
-        for (int j = 0; j < 4; j++) h_rot[(size_t)(start + r) * inter + c + j] = float_to_half(h[j] * INV_SQRT_128);
+        store_activated([&](int j) { return finished(g[j], gate_svh, gate_bias, c + j); },
+                        [&](int j) { return finished(u[j], up_svh, up_bias, c + j); }, down_suh + c, activation,
+                        has_limit, limit, h_rot + (size_t)(start + r) * inter + c, lane);
     }
 #endif
     TRACE_MARK(4);
