@@ -2,7 +2,8 @@
 start and end and SM cycles at its phase marks) for one uncaptured call on weights not yet in L2. Prints per kernel:
 blocks, the spread of block starts, the span, and median / max cycles at each mark (0 tables read, 1 first chunk
 staged, 2 partials stored, 3 arrival counted, 4 epilogue done, 5 combine done), the last blocks' apart.
-Usage: python3 scripts/block_trace.py [--warm]   (--warm notes and compiles the traced variants, no GPU)"""
+Usage: python3 scripts/block_trace.py [--warm]   (--warm, without a GPU: notes the traced variants, then compiles
+every variant noted in the cache directory, as scripts/warm_cache.py does)"""
 
 import ctypes
 import os
