@@ -7,7 +7,8 @@ export EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"  # compiled C
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
-  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=12 ${GPU_TESTS:-tests} 2>&1 \
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=12 ${GPU_TESTS:-tests} \
+    2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "passed|failed|FAILED|Error|^[0-9.]+s (call|setup)" | tail -30
 fi
 for b in "$@"; do
