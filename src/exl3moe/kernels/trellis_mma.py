@@ -77,10 +77,11 @@ def words_per_lane(K: float) -> int:
 WHOLE_SPLIT_PREFETCH, WHOLE_SPLIT_MAX_BLOCKS = CHUNK_K // 16, 512
 
 
-def prefetch_for(rows: int, k: int, n: int, K: float) -> int:
+def prefetch_for(rows: int, k: int, n: int, K: float, tiles: MmaTiles | None = None) -> int:
     """PF of the planned kernel: a one-chunk split's words all loaded up front where they fit in registers (two words
-    per tile) and the grid is small enough for the extra registers (a few blocks per SM); PREFETCH otherwise."""
-    tiles, mt = plan_mma(k, n), m_tiles(rows)
+    per tile) and the grid is small enough for the extra registers (a few blocks per SM); PREFETCH otherwise. tiles:
+    the call's split, plan_mma(k, n) when not given."""
+    tiles, mt = tiles or plan_mma(k, n), m_tiles(rows)
     blocks = n // (16 * WARPS * (2 if mt <= 2 else 1)) * tiles.splits
     whole = tiles.ktiles_per_split == WHOLE_SPLIT_PREFETCH and mt == 1 and words_per_lane(K) <= 2
     return WHOLE_SPLIT_PREFETCH if whole and blocks <= WHOLE_SPLIT_MAX_BLOCKS else PREFETCH
@@ -215,7 +216,7 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     tiles_n = w.trellis.shape[1]
     planned_mt, fuse_in = variant_for(rows, k, tiles_n * 16)
     mt = mt or planned_mt
-    planned_pf = prefetch_for(rows, k, tiles_n * 16, w.K)
+    planned_pf = prefetch_for(rows, k, tiles_n * 16, w.K, tiles)
     planned = mt == planned_mt and prefetch in (None, planned_pf) and nt is None
     prefetch = prefetch or planned_pf
     if planned and not fuse_in and uses_ws(rows, k, tiles_n * 16, x.device):

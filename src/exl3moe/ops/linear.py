@@ -122,7 +122,7 @@ class LinearPlan:
         self.mma = plan_mma(k, n) if nvrtc.available(w.device) else None
         if self.mma is not None:
             fused_rows = range(1, min(max_rows, MAX_FUSED_ROWS) + 1)
-            for mt, fuse_in, prefetch in {variant_for(rows, k, n) + (prefetch_for(rows, k, n, w.K),)
+            for mt, fuse_in, prefetch in {variant_for(rows, k, n) + (prefetch_for(rows, k, n, w.K, self.mma),)
                                           for rows in fused_rows}:
                 mma_kernel(w.K, w.codebook, mt, w.device, fuse_in, prefetch)
             if any(uses_ws(rows, k, n, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
