@@ -192,7 +192,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     formats = plan.gate_up_formats if gate_up else plan.down_formats
     defines = (("PF", PREFETCH), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)),
                ("DIRECT_ROUTE", int(plan.direct)), ("PAIR_SCALAR", pair_scalar(mt)),
-               ("KTILE_UNROLL", ktile_unroll(len(formats), mt)), ("STAGED", int(bool(plan.stage_formats))))
+               ("KTILE_UNROLL", ktile_unroll(len(formats), mt)))
     return defines, prelude
 
 

@@ -25,12 +25,6 @@ static_assert(WARPS * 32 == WS_THREADS, "a warp-specialized block is its produce
 
 constexpr int BLOCK_M = 16 * MT;
 constexpr int SPLIT_BATCH = DIRECT_ROUTE ? 4 : 1;   // split loads in flight at once in the epilogues (add_splits)
-// A direct route's gate/up without residual stages finishes its one row in two warps (finish_one_row) and has L2
-// fetch the epilogue's vectors first; with stages compiled in, ptxas gives the mainloops more registers for it.
-#ifndef STAGED
-#define STAGED 0
-#endif
-#define DIRECT_FINISH (DIRECT_ROUTE && !STAGED)
 
 __device__ __forceinline__ float sigmoid(float x) {
     const float e = expf(-fabsf(x));
@@ -432,7 +426,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     ws_trace_print();
 #else
     const int jt0 = cblock * 8 + warp * NT, tiles_n = inter / 16, mtiles = (nrows + 15) / 16;
-    if (DIRECT_FINISH && warp == WARPS - 1) {   // the epilogue's vectors of this column block
+    if (DIRECT_ROUTE && warp == WARPS - 1) {   // the epilogue's vectors of this column block
         const int col = cblock * 128;
         prefetch_l2(reinterpret_cast<const unsigned short*>(svh_addr[expert]) + col, 256, lane);
         prefetch_l2(reinterpret_cast<const unsigned short*>(svh_addr[num_experts + expert]) + col, 256, lane);
@@ -481,7 +475,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const unsigned short* down_suh = reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]);
     const float* gate_bias = bias != nullptr ? bias + (size_t)expert * inter : nullptr;
     const float* up_bias = bias != nullptr ? bias + ((size_t)num_experts + expert) * inter : nullptr;
-#if DIRECT_FINISH
+#if DIRECT_ROUTE
     finish_one_row(part + (size_t)start * inter + c, (size_t)capacity * inter, split_stride, splits, gate_svh + c,
                    up_svh + c, down_suh + c, gate_bias ? gate_bias + c : nullptr, up_bias ? up_bias + c : nullptr,
                    activation, has_limit, limit, h_rot + (size_t)start * inter + c);
