@@ -316,16 +316,20 @@ __device__ __forceinline__ void store_partials(const float (&acc)[MT_][NT_][2][4
 }
 
 // True in every thread of the block that is the last of `arrivals` to reach *counter (which it resets to 0);
-// its later reads see every earlier arrival's partials. The block's writes reach thread 0 through the barrier, and
-// its acq_rel atomic releases them and acquires the earlier arrivals' (the grid-barrier pattern).
+// its later reads see every earlier arrival's partials. The block's writes reach thread 0 through the barrier, its
+// release atomic publishes them, and only the last block acquires (fence after the atomic read), so the others
+// leave the SM's L1 valid.
 __device__ __forceinline__ bool last_arrival(int* counter, int arrivals) {
     __shared__ int is_last;
     __syncthreads();
     if (threadIdx.x == 0) {
         int seen;
-        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
+        asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
         is_last = seen == arrivals - 1;
-        if (is_last) *counter = 0;
+        if (is_last) {
+            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            *counter = 0;
+        }
     }
     __syncthreads();
     return is_last;
