@@ -315,23 +315,32 @@ __device__ __forceinline__ void store_partials(const float (&acc)[MT_][NT_][2][4
         }
 }
 
+#ifndef ARRIVAL
+#define ARRIVAL 2   // A/B builds: 0 fence.sc in every thread (session 13), 1 acq_rel atomic (session 14), 2 below
+#endif
 // True in every thread of the block that is the last of `arrivals` to reach *counter (which it resets to 0);
 // its later reads see every earlier arrival's partials. The block's writes reach thread 0 through the barrier, its
 // release atomic publishes them, and only the last block acquires (fence after the atomic read), so the others
 // leave the SM's L1 valid.
 __device__ __forceinline__ bool last_arrival(int* counter, int arrivals) {
     __shared__ int is_last;
+    if (ARRIVAL == 0) __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         int seen;
-        asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
+        if (ARRIVAL == 0) seen = atomicAdd(counter, 1);
+        else if (ARRIVAL == 1)
+            asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
+        else
+            asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
         is_last = seen == arrivals - 1;
         if (is_last) {
-            asm volatile("fence.acq_rel.gpu;" ::: "memory");
+            if (ARRIVAL == 2) asm volatile("fence.acq_rel.gpu;" ::: "memory");
             *counter = 0;
         }
     }
     __syncthreads();
+    if (ARRIVAL == 0 && is_last) __threadfence();
     return is_last;
 }
 
