@@ -316,12 +316,11 @@ __device__ __forceinline__ void store_partials(const float (&acc)[MT_][NT_][2][4
 }
 
 #ifndef ARRIVAL
-#define ARRIVAL 2   // A/B builds: 0 fence.sc in every thread (session 13), 1 acq_rel atomic (session 14), 2 below
+#define ARRIVAL 1   // A/B builds: 0 fence.sc in every thread, 1 acq_rel atomic, 2 release + acquire in the last block only
 #endif
 // True in every thread of the block that is the last of `arrivals` to reach *counter (which it resets to 0);
-// its later reads see every earlier arrival's partials. The block's writes reach thread 0 through the barrier, its
-// release atomic publishes them, and only the last block acquires (fence after the atomic read), so the others
-// leave the SM's L1 valid.
+// its later reads see every earlier arrival's partials. The block's writes reach thread 0 through the barrier and its
+// atomic publishes them (ARRIVAL 2: a release atomic, and only the last block acquires, so the others keep L1 valid).
 __device__ __forceinline__ bool last_arrival(int* counter, int arrivals) {
     __shared__ int is_last;
     if (ARRIVAL == 0) __threadfence();
