@@ -316,7 +316,7 @@ __device__ __forceinline__ void store_partials(const float (&acc)[MT_][NT_][2][4
 }
 
 #ifndef ARRIVAL
-#define ARRIVAL 1   // A/B builds: 0 fence.sc in every thread, 1 acq_rel atomic, 2 release + acquire in the last block only
+#define ARRIVAL 1   // A/B builds: 0 fence.sc in every thread, 1 acq_rel atomic, 2 release, acquire in the last block
 #endif
 // True in every thread of the block that is the last of `arrivals` to reach *counter (which it resets to 0);
 // its later reads see every earlier arrival's partials. The block's writes reach thread 0 through the barrier and its
