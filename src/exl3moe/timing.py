@@ -13,8 +13,8 @@ def copies_for(bytes_per_copy: int, at_least: int = 2, at_most: int = 1024) -> i
     return max(at_least, min(at_most, -(-L2_ROTATION_BYTES // max(1, bytes_per_copy))))
 
 
-def time_graph(calls, replays: int = 20) -> float:
-    """Median microseconds per call: all `calls` captured in one CUDA graph, replayed `replays` times."""
+def capture_graph(calls) -> torch.cuda.CUDAGraph:
+    """All `calls` run once on a side stream, then captured in one CUDA graph (replayed once)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -28,6 +28,11 @@ def time_graph(calls, replays: int = 20) -> float:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    return graph
+
+
+def replay_times(graph: torch.cuda.CUDAGraph, calls: int, replays: int) -> list:
+    """Microseconds per call of each of `replays` replays of a graph of `calls` calls."""
     times = []
     for _ in range(replays):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -35,8 +40,13 @@ def time_graph(calls, replays: int = 20) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1000.0 / len(calls))
-    return statistics.median(times)
+        times.append(start.elapsed_time(end) * 1000.0 / calls)
+    return times
+
+
+def time_graph(calls, replays: int = 20) -> float:
+    """Median microseconds per call: all `calls` captured in one CUDA graph, replayed `replays` times."""
+    return statistics.median(replay_times(capture_graph(calls), len(calls), replays))
 
 
 def run_info() -> dict:

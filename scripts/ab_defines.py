@@ -1,0 +1,120 @@
+"""Interleaved A/B of NVRTC define sets on a GPU, in one process: each case is built and captured once per set (its
+kernels compiled with that set as EXL3MOE_NVRTC_DEFINES), then the sets' graphs are replayed in turn, round after
+round, so drift over the run falls on every set alike. Prints each case's median per set and the ratio to the first
+set. Note the variants first without a GPU (--note) and warm the cache (scripts/warm_cache.py)."""
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+from linear import random_weight  # noqa: E402
+from moe import LAYERS, SHAPES, random_layer, routings  # noqa: E402
+
+from exl3moe.kernels import nvrtc  # noqa: E402
+from exl3moe.ops.linear import LinearPlan  # noqa: E402
+from exl3moe.ops.moe import moe_plan  # noqa: E402
+from exl3moe.timing import capture_graph, copies_for, replay_times  # noqa: E402
+
+
+def use_set(define_set: str) -> None:
+    os.environ["EXL3MOE_NVRTC_DEFINES"] = "" if define_set == "0" else define_set
+    if hasattr(nvrtc.kernel, "cache_clear"):   # not under note_variants.pretend_sm90
+        nvrtc.kernel.cache_clear()
+
+
+def linear_case(k, n, K, codebook, rows, gen):
+    probe = random_weight(k, n, K, codebook, gen)
+    weights = [probe] + [random_weight(k, n, K, codebook, gen) for _ in range(copies_for(probe.trellis_bytes) - 1)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.float16, generator=gen)
+    out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
+
+    def calls():
+        workspace = LinearPlan(weights[0], rows).allocate()
+        return [lambda r=LinearPlan(w, rows).bind(workspace): r.run(x, out) for w in weights]
+    return f"{k}x{n} K{K} {codebook} rows {rows}", calls
+
+
+def layer_widths(label: str) -> list:
+    return LAYERS[int(label) if label.isdigit() else label]
+
+
+def moe_case(shape, label, tokens, gen):
+    hidden, inter, E, top_k = SHAPES[shape]
+    experts = random_layer(hidden, inter, E, layer_widths(label), "mcg", gen)
+    x = (torch.randn(tokens, hidden, device="cuda", generator=gen) * 0.3).half()
+    out = torch.empty(tokens, hidden, device="cuda", dtype=torch.float16)
+    routes = routings(tokens, E, top_k, gen)
+
+    def calls():
+        plan = moe_plan(experts, tokens, top_k)
+        runner = plan.bind(plan.allocate())
+        return [lambda r=r: runner.run(x, r[0], r[1], out) for r in routes]
+    return f"moe {shape} K={label} T {tokens}", calls
+
+
+def cases(args, gen):
+    for shape in args.shapes:
+        k, n = map(int, shape.split("x"))
+        for K in args.bits:
+            for codebook in args.codebooks:
+                for rows in args.rows:
+                    yield linear_case(k, n, K, codebook, rows, gen)
+    for label in args.layers:
+        for tokens in args.tokens:
+            yield moe_case("qwen3-30b-a3b", label, tokens, gen)
+
+
+def note(args):
+    """Build every case's plans under every set without a GPU, so warm_cache.py compiles their kernels."""
+    import note_variants
+    note_variants.pretend_sm90()
+    hidden, inter, E, top_k = SHAPES["qwen3-30b-a3b"]
+    for define_set in args.sets:
+        use_set(define_set)
+        for shape in args.shapes:
+            k, n = map(int, shape.split("x"))
+            for K in args.bits:
+                for codebook in args.codebooks:
+                    for rows in args.rows:
+                        LinearPlan(note_variants.weight(k, n, K, codebook), rows)
+        for label in args.layers:
+            for tokens in args.tokens:
+                moe_plan(note_variants.layer(hidden, inter, E, layer_widths(label)), tokens, top_k)
+
+
+def main(args):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print("case", *args.sets, *(f"{s}/{args.sets[0]}" for s in args.sets[1:]), sep=" | ", flush=True)
+    for name, calls in cases(args, gen):
+        graphs = []   # (graph, its calls): the calls keep the runners' workspaces alive while the graph replays
+        for define_set in args.sets:
+            use_set(define_set)
+            fns = calls()
+            graphs.append((capture_graph(fns), fns))
+        times = [[] for _ in args.sets]
+        for _ in range(args.rounds):
+            for i, (graph, fns) in enumerate(graphs):
+                times[i] += replay_times(graph, len(fns), args.replays)
+        med = [statistics.median(t) for t in times]
+        print(name, *(f"{m:.2f}" for m in med), *(f"{m / med[0]:.3f}" for m in med[1:]), sep=" | ", flush=True)
+        del graphs
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sets", nargs="+", default=["0"], help='define sets, "A=1,B=2" each; "0" for none')
+    ap.add_argument("--shapes", nargs="*", default=["4096x14336"])
+    ap.add_argument("--bits", nargs="+", type=int, default=[4])
+    ap.add_argument("--codebooks", nargs="+", default=["mcg"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[1])
+    ap.add_argument("--tokens", nargs="*", type=int, default=[])
+    ap.add_argument("--layers", nargs="+", default=["4"], help="MoE layers (bench/moe.py LAYERS), Qwen3 shape")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--replays", type=int, default=4)
+    ap.add_argument("--note", action="store_true", help="note the variants for warm_cache.py (no GPU)")
+    a = ap.parse_args()
+    note(a) if a.note else main(a)
