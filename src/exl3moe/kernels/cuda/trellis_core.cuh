@@ -315,31 +315,19 @@ __device__ __forceinline__ void store_partials(const float (&acc)[MT_][NT_][2][4
         }
 }
 
-#ifndef ARRIVAL
-#define ARRIVAL 1   // A/B builds: 0 fence.sc in every thread, 1 acq_rel atomic, 2 release, acquire in the last block
-#endif
 // True in every thread of the block that is the last of `arrivals` to reach *counter (which it resets to 0);
-// its later reads see every earlier arrival's partials. The block's writes reach thread 0 through the barrier and its
-// atomic publishes them (ARRIVAL 2: a release atomic, and only the last block acquires, so the others keep L1 valid).
+// its later reads see every earlier arrival's partials. The block's writes reach thread 0 through the barrier, and
+// its acq_rel atomic releases them and acquires the earlier arrivals' (the grid-barrier pattern).
 __device__ __forceinline__ bool last_arrival(int* counter, int arrivals) {
     __shared__ int is_last;
-    if (ARRIVAL == 0) __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
         int seen;
-        if (ARRIVAL == 0) seen = atomicAdd(counter, 1);
-        else if (ARRIVAL == 1)
-            asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
-        else
-            asm volatile("atom.release.gpu.global.add.s32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
+        asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(seen) : "l"(counter) : "memory");
         is_last = seen == arrivals - 1;
-        if (is_last) {
-            if (ARRIVAL == 2) asm volatile("fence.acq_rel.gpu;" ::: "memory");
-            *counter = 0;
-        }
+        if (is_last) *counter = 0;
     }
     __syncthreads();
-    if (ARRIVAL == 0 && is_last) __threadfence();
     return is_last;
 }
 

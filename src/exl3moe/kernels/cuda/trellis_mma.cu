@@ -6,9 +6,6 @@
 #include "trellis_core.cuh"
 
 using T = Trellis<K2, CB>;
-#ifndef EPILOGUE_PREFETCH
-#define EPILOGUE_PREFETCH 1   // A/B builds: 0 leaves svh and bias to the last block's loads
-#endif
 
 // xh [rows, k] fp16 = Hn128(x * suh) blockwise, with the arithmetic of trellis_mma's FUSE_IN staging (same bytes).
 // One warp per (row, 128 inputs); blocks of 4 warps.
@@ -45,7 +42,7 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
     const int jt0 = (blockIdx.x * WARPS + warp) * NT;
     constexpr int BLOCK_COLS = WARPS * NT * 16;
     const int group_col = (blockIdx.x * BLOCK_COLS) / 128 * 128;
-    if (EPILOGUE_PREFETCH && warp == WARPS - 1) {
+    if (warp == WARPS - 1) {
         prefetch_l2(svh + group_col, 256, lane);
         prefetch_l2(bias != nullptr ? bias + group_col : nullptr, 256, lane);
     }
