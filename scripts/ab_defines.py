@@ -1,7 +1,8 @@
 """Interleaved A/B of NVRTC define sets on a GPU, in one process: each case is built and captured once per set (its
-kernels compiled with that set as EXL3MOE_NVRTC_DEFINES), then the sets' graphs are replayed in turn, round after
-round, so drift over the run falls on every set alike. Prints each case's median per set and the ratio to the first
-set. Note the variants first without a GPU (--note) and warm the cache (scripts/warm_cache.py)."""
+kernels compiled with that set as EXL3MOE_NVRTC_DEFINES, its EXL3MOE_* items set in the environment), then the sets'
+graphs are replayed in turn, round after round, so drift over the run falls on every set alike. Prints each case's
+median per set and the ratio to the first set. Note the variants first without a GPU (--note) and warm the cache
+(scripts/warm_cache.py)."""
 
 import argparse
 import os
@@ -20,8 +21,20 @@ from exl3moe.ops.moe import moe_plan  # noqa: E402
 from exl3moe.timing import capture_graph, copies_for, replay_times  # noqa: E402
 
 
+_SET_ENV = set()   # EXL3MOE_* variables the current set has put in the environment
+
+
 def use_set(define_set: str) -> None:
-    os.environ["EXL3MOE_NVRTC_DEFINES"] = "" if define_set == "0" else define_set
+    """A set: comma-separated NAME=VALUE items, NVRTC defines or (EXL3MOE_*) environment variables; "0" for none."""
+    items = dict(item.split("=", 1) for item in define_set.split(",") if define_set != "0")
+    for name in _SET_ENV - set(items):
+        del os.environ[name]
+    _SET_ENV.clear()
+    for name, value in items.items():
+        if name.startswith("EXL3MOE_"):
+            os.environ[name] = value
+            _SET_ENV.add(name)
+    os.environ["EXL3MOE_NVRTC_DEFINES"] = ",".join(f"{k}={v}" for k, v in items.items() if k not in _SET_ENV)
     if hasattr(nvrtc.kernel, "cache_clear"):   # not under note_variants.pretend_sm90
         nvrtc.kernel.cache_clear()
 

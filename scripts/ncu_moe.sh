@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
 # Profile the fused MoE's CUDA kernels with Nsight Compute on the H200: stall reasons, issue rate, occupancy.
-# Usage (device machine): bash scripts/ncu_moe.sh [tokens] [kernel regex]   -> $OUT/moe_ncu_T<tokens>.txt
-# Qwen3-30B-A3B shape, K4 MCG; the default regex takes gate/up and down of the third call.
+# Usage (device machine): [KS="2 3 4"] bash scripts/ncu_moe.sh [tokens] [kernel regex] -> $OUT/moe_ncu_T<t>_K<KS>.txt
+# Qwen3-30B-A3B shape, MCG experts of widths KS round robin (default 4); the default regex takes gate/up and down of
+# the third call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src:bench
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 TOKENS="${1:-1}"
 KERNEL="${2:-moe_gate_up_mma|moe_down_mma}"
+KS="${KS:-4}"
+REPORT="$OUT/moe_ncu_T${TOKENS}_K${KS// /}.txt"
 cat > /tmp/ncu_moe_target.py <<PY
 import torch
 from moe import SHAPES, random_layer, routings
 from exl3moe.ops.moe import moe_plan
 hidden, inter, E, top_k = SHAPES["qwen3-30b-a3b"]
 g = torch.Generator(device="cuda").manual_seed(0)
-layer = random_layer(hidden, inter, E, [4], "mcg", g)
+layer = random_layer(hidden, inter, E, [int(k) for k in "$KS".split()], "mcg", g)
 plan = moe_plan(layer, $TOKENS, top_k)
 runner = plan.bind(plan.allocate())
 x = (torch.randn($TOKENS, hidden, device="cuda", generator=g) * 0.03).half()
@@ -28,7 +31,7 @@ ncu --clock-control none --kernel-name "regex:$KERNEL" --launch-skip 4 --launch-
     --section SpeedOfLight --section SchedulerStats --section WarpStateStats --section Occupancy \
     --section LaunchStats --section InstructionStats \
     --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,regex:sm__inst_executed_pipe_.*\.avg\.pct_of_peak_sustained_active" \
-    python3 /tmp/ncu_moe_target.py > "$OUT/moe_ncu_T$TOKENS.txt" 2>&1
+    python3 /tmp/ncu_moe_target.py > "$REPORT" 2>&1
 grep -E "^  [a-z_]+mma|Duration|Issued Ipc|Warp Cycles Per Issued|Achieved Occupancy|Registers Per|Grid Size" \
-    "$OUT/moe_ncu_T$TOKENS.txt" | head -20
-grep -E "issue_stalled|inst_executed_pipe" "$OUT/moe_ncu_T$TOKENS.txt" | awk '$NF > 0.1' | sort -k3 -rn | head -24
+    "$REPORT" | head -20
+grep -E "issue_stalled|inst_executed_pipe" "$REPORT" | awk '$NF > 0.1' | sort -k3 -rn | head -24

@@ -82,10 +82,12 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
                                                                                              else -1]
     block_expert, block_start, offsets, slots = shared_gate_up[3][3:7]
     assert int(offsets[1]) == T and torch.equal(slots[:T], torch.arange(T, dtype=torch.int32))
-    assert shared_gate_up[1][0] == -(-T // plan.shared_block_m) == block_expert.numel() == block_start.numel()
+    assert shared_gate_up[1][1] == -(-T // plan.shared_block_m) == block_expert.numel() == block_start.numel()
     down = [call for call in launches if call[0][1] == "moe_down_mma"][-1 if plan.mma.direct else 0]
+    assert routed[1][:2] == (2 * 384 // 128, runner._ws["block_expert"].numel() if not plan.mma.direct else ids.numel())
+    assert down[1][0] == 256 // 128, "grid rows are route blocks, their column blocks along x"
     if plan.mma.direct:
-        assert routed[3][3] is ids and routed[1][0] == down[1][0] == ids.numel(), "one block per slot, from the ids"
+        assert routed[3][3] is ids and routed[1][1] == down[1][1] == ids.numel(), "one block per slot, from the ids"
         assert down[3][-10] is ids and down[3][-5] is out and down[3][-1] == 2, "down combines into out"
     else:
         assert routed[3][3].data_ptr() == runner._ws["block_expert"].data_ptr(), "routed blocks from the route pack"
@@ -198,3 +200,11 @@ def test_splits_per_block_keep_one_wave():
     assert ws_splits_per_block(28, 32, 132) == 7, "32 column blocks: 4 groups of 7 splits"
     assert ws_splits_per_block(16, 6, 132) == 1
     assert ws_splits_per_block(8, 300, 132) == 8, "more column blocks than SMs: every split in one block"
+
+
+def test_moe_plans_of_more_route_blocks_than_grid_rows_take_the_triton_experts(launches):
+    experts = random_experts(8, 256, 384, K=4, codebook="mcg", generator=torch.Generator().manual_seed(1))
+    assert moe_plan(experts, 64, 2).mma is not None
+    slots = 128 * 70000   # 128-row route blocks: more than 65535 of them
+    plan = moe_plan(experts, slots // 2, 2, slot_capacity=slots)
+    assert plan.block_m > 0 and plan.mma is None

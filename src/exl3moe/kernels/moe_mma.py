@@ -23,6 +23,7 @@ from .trellis_mma import (CHUNK_K, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk
 PREFETCH = 4
 CHUNK_KTILES, MIXED_KTILE_UNROLL = CHUNK_K // 16, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
 MIXED_MIN_FORMATS, MIXED_MAX_MT = 4, 2
+MAX_GRID_ROWS = 65535  # gridDim.y: gate/up and down launch one grid row per route block (column blocks along x)
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
 STAGE_MAX_K2 = 8
 PRE_ROTATE_BLOCK_M = 64
@@ -49,6 +50,7 @@ class MoeMmaPlan:
     ws_gate_up: bool = False  # gate/up persistent on ws (moe_gate_up_ws; single-split plans; opt-in): no partials
     ws_down: bool = False  # down persistent and warp-specialized (moe_down_ws; single-split plans): no partials
     ws_stages: int = WS_STAGES  # ring stages of the warp-specialized kernels
+    route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -142,6 +144,7 @@ def uses_ws(block_m: int, device: torch.device) -> bool:
 def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (), direct: bool = False) -> MoeMmaPlan:
     """moe_mma_layout, with both kernels compiled for the layer's formats."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
+    plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0")
     if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
         plan = replace(plan, ws=True,
                        ws_gate_up=plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1",
@@ -180,7 +183,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
                            tuple(sorted(set(formats) | set(plan.stage_formats))))
         defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1),
                    ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1),
-                   ("STAGES", plan.ws_stages), ("STAGE_KT", WS_STAGE_KTILES))
+                   ("STAGES", plan.ws_stages), ("STAGE_KT", WS_STAGE_KTILES), ("ROUTE_MAJOR", int(plan.route_major)))
         return defines, prelude
     mt, nt = plan.block_m // 16, 8 // plan.warps
     empty = ()
@@ -192,7 +195,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     formats = plan.gate_up_formats if gate_up else plan.down_formats
     defines = (("PF", PREFETCH), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)),
                ("DIRECT_ROUTE", int(plan.direct)), ("PAIR_SCALAR", pair_scalar(mt)),
-               ("KTILE_UNROLL", ktile_unroll(len(formats), mt)))
+               ("KTILE_UNROLL", ktile_unroll(len(formats), mt)), ("ROUTE_MAJOR", int(plan.route_major)))
     return defines, prelude
 
 
@@ -226,6 +229,11 @@ def moe_rotate_input(hidden, x_rot, route, top_k, tables, plan: MoeMmaPlan, grid
                   block_start, offsets, sorted_slots, top_k, tables.suh_addr, tables.num_experts, H, capacity, x_rot])
 
 
+def _grid(plan: MoeMmaPlan, route_blocks: int, column_blocks: int, splits: int) -> tuple:
+    """Route-major: a route block's column blocks are consecutive blocks, so the GPU runs few formats at a time."""
+    return (column_blocks, route_blocks, splits) if plan.route_major else (route_blocks, column_blocks, splits)
+
+
 def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, partial, counters, grid_blocks, capacity,
                     x_rot=None, ids_64=0):
     """h_rot[pos] = down's rotated input of act(gate(x), up(x)) for every routed position (CUDA path); x_rot
@@ -241,7 +249,7 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
                      shared=ws_shared_bytes(plan, "moe_gate_up_ws"))
         return
     threads = WS_THREADS if plan.ws else plan.warps * 32
-    nvrtc.launch(plan.gate_up_kernel, (grid_blocks, 2 * I // 128, plan.gate_up_splits), threads,
+    nvrtc.launch(plan.gate_up_kernel, _grid(plan, grid_blocks, 2 * I // 128, plan.gate_up_splits), threads,
                  [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
                   sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2,
                   tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, partial, capacity, h_rot,
@@ -274,7 +282,7 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
                       tables.svh_addr, tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I,
                       grid_blocks], shared=ws_shared_bytes(plan, "moe_down_ws"))
         return
-    nvrtc.launch(plan.down_kernel, (grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
+    nvrtc.launch(plan.down_kernel, _grid(plan, grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,
                   tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I, partial, capacity,
                   counters, plan.down_ktiles, plan.down_splits, *combine_args])

@@ -34,7 +34,7 @@ from ..format.experts import ExpertSet, check_shared
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import (direct_route, format_count, formats_up_to, moe_down_mma, moe_gate_up_mma,
+from ..kernels.moe_mma import (MAX_GRID_ROWS, direct_route, format_count, formats_up_to, moe_down_mma, moe_gate_up_mma,
                                 moe_rotate_input, plan_moe_mma, projection_formats, supported, workspace_numels,
                                 ws_stages)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
@@ -139,8 +139,10 @@ class MoEPlan:
         self.chunk_tokens = min(max_tokens, capacity // top_k)
         self.slot_capacity = self.chunk_tokens * top_k
         cuda = nvrtc.available(self.device) and supported(experts, self.stage_max_k2)
-        self.block_m = block_m or (route_block_rows(self.slot_capacity, E, CUDA_MAX_BLOCK_M, 1.5) if cuda
-                                   else route_block_rows(self.slot_capacity, E))
+        cuda_block_m = block_m or route_block_rows(self.slot_capacity, E, CUDA_MAX_BLOCK_M, 1.5)
+        # The CUDA experts' route blocks are grid rows (at most 65535).
+        cuda = cuda and route_pack_max_blocks(self.slot_capacity, E, cuda_block_m) <= MAX_GRID_ROWS
+        self.block_m = cuda_block_m if cuda else block_m or route_block_rows(self.slot_capacity, E)
         self.shared_block_m = route_block_rows(self.chunk_tokens, 1)
         order = format_order(experts)
         self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None

@@ -41,6 +41,14 @@ __device__ __forceinline__ float activate(float g, float u, int activation, int 
     return a * u;
 }
 
+#ifndef ROUTE_MAJOR
+#define ROUTE_MAJOR 1
+#endif
+// Grids of gate/up and down: ROUTE_MAJOR puts column blocks along x, so a route block's (one expert's, one format's
+// code) run as consecutive blocks; else route blocks along x.
+__device__ __forceinline__ int route_block_index() { return ROUTE_MAJOR ? blockIdx.y : blockIdx.x; }
+__device__ __forceinline__ int column_block_index() { return ROUTE_MAJOR ? blockIdx.x : blockIdx.y; }
+
 // Expert, first sorted position and row count (<= BLOCK_M) of route block b; false for an unused block.
 // DIRECT_ROUTE: block b is flat slot b alone (one row at position b) and `block_expert` holds topk_ids (int64
 // when ids_64); false for an id outside [0, num_experts).
@@ -399,11 +407,11 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
 #if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
 #endif
-    const int b = blockIdx.x;
+    const int b = route_block_index(), column = column_block_index();
     int expert, start, nrows;
     if (!route_block(b, block_expert, block_start, offsets, ids_64, num_experts, expert, start, nrows)) return;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int proj = blockIdx.y & 1, cblock = blockIdx.y >> 1;
+    const int proj = column & 1, cblock = column >> 1;
     const int index = proj * num_experts + expert;
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[index]);
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
@@ -512,17 +520,16 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
                           top_k};
     TRACE_BEGIN;
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
-    const int b = blockIdx.x;
+    const int b = route_block_index(), cblock = column_block_index();
     int expert, start, nrows;
     if (!route_block(b, block_expert, block_start, offsets, combine.ids_64, num_experts, expert, start, nrows)) {
 #if DIRECT_ROUTE
         // A slot of an expert that lives elsewhere still counts towards its token's combine.
-        if (blockIdx.z == 0) combine_token(combine, b / combine.top_k, blockIdx.y, y, hidden, num_experts);
+        if (blockIdx.z == 0) combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
 #endif
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int cblock = blockIdx.y;
     const int index = 2 * num_experts + expert;
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
     const size_t split_stride = (size_t)capacity * hidden;
