@@ -208,3 +208,16 @@ def test_moe_plans_of_more_route_blocks_than_grid_rows_take_the_triton_experts(l
     slots = 128 * 70000   # 128-row route blocks: more than 65535 of them
     plan = moe_plan(experts, slots // 2, 2, slot_capacity=slots)
     assert plan.block_m > 0 and plan.mma is None
+
+
+@pytest.mark.parametrize("slots, mixed, expected", [(8, True, (2, 2)), (32, True, (2, 2)), (33, True, (4, 4)),
+                                                    (8, False, (4, 8)), (256, True, (4, 4))])
+def test_mixed_kernels_of_small_calls_compile_the_smallest_mainloops(slots, mixed, expected):
+    from exl3moe.kernels.moe_mma import kernel_source, moe_mma_layout
+    experts = random_experts(8, 256, 384, K=[2, 3, 4, 5, 6, 7, 8, 4] if mixed else 4, codebook="mcg",
+                             generator=torch.Generator().manual_seed(2))
+    plan = moe_mma_layout(experts, slots, 16)
+    for name in ("moe_gate_up_mma", "moe_down_mma"):
+        defines = dict(kernel_source(plan, name)[0])
+        assert (defines["PF"], defines["KTILE_UNROLL"]) == expected, name
+        assert defines["KTILE_UNROLL"] % defines["PF"] == 0

@@ -23,6 +23,7 @@ from .trellis_mma import (CHUNK_K, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk
 PREFETCH = 4
 CHUNK_KTILES, MIXED_KTILE_UNROLL = CHUNK_K // 16, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
 MIXED_MIN_FORMATS, MIXED_MAX_MT = 4, 2
+SMALL_CALL_SLOTS, SMALL_CALL_UNROLL = 32, 2  # calls of so few slots run every block at once: smallest mainloops
 MAX_GRID_ROWS = 65535  # gridDim.y: gate/up and down launch one grid row per route block (column blocks along x)
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
 STAGE_MAX_K2 = 8
@@ -50,6 +51,7 @@ class MoeMmaPlan:
     ws_gate_up: bool = False  # gate/up persistent on ws (moe_gate_up_ws; single-split plans; opt-in): no partials
     ws_down: bool = False  # down persistent and warp-specialized (moe_down_ws; single-split plans): no partials
     ws_stages: int = WS_STAGES  # ring stages of the warp-specialized kernels
+    small_call: bool = False  # at most SMALL_CALL_SLOTS slots per call
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
@@ -111,7 +113,7 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
     d_splits, d_ktiles = chunk_splits(I, busy * (H // 128) * warps, TARGET_WARPS)
     return MoeMmaPlan(block_m, warps, tuple(sorted(set(fmt[0] + fmt[1]))), tuple(sorted(set(fmt[2]))),
                       tuple(stage_formats), gu_splits, gu_ktiles, d_splits, d_ktiles, pre_rotates(block_m),
-                      direct)
+                      direct, small_call=max_slots <= SMALL_CALL_SLOTS)
 
 
 WS_CONSUMER_THREADS = 256  # trellis_ws.cuh's CONSUMERS warps
@@ -156,10 +158,14 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
 
 
-def ktile_unroll(formats: int, mt: int) -> int:
-    """k-tiles per unrolled mainloop body: half a chunk when a kernel of few rows holds many formats, so that their
-    mainloops share the instruction cache; a whole chunk otherwise."""
-    return MIXED_KTILE_UNROLL if formats >= MIXED_MIN_FORMATS and mt <= MIXED_MAX_MT else CHUNK_KTILES
+def mainloop_unroll(formats: int, mt: int, small_call: bool) -> tuple:
+    """(k-tiles of words prefetched, k-tiles per unrolled mainloop body). A kernel of few rows holding many formats
+    keeps its mainloops small so that they share the instruction cache: half a chunk per body, and in small calls
+    (every block in flight at once, so the route-major order cannot keep the formats apart) a quarter of one
+    behind a 2-deep prefetch. A whole chunk behind a 4-deep prefetch otherwise."""
+    if formats >= MIXED_MIN_FORMATS and mt <= MIXED_MAX_MT:
+        return (SMALL_CALL_UNROLL, SMALL_CALL_UNROLL) if small_call else (PREFETCH, MIXED_KTILE_UNROLL)
+    return PREFETCH, CHUNK_KTILES
 
 
 def _dispatch(name: str, formats: tuple, mt: int, nt: int) -> str:
@@ -193,9 +199,10 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
         _dispatch("DISPATCH_DOWN", empty if gate_up else plan.down_formats, mt, nt),
         _dispatch("STAGE_DISPATCH_DOWN", empty if gate_up else plan.stage_formats, mt, nt)])
     formats = plan.gate_up_formats if gate_up else plan.down_formats
-    defines = (("PF", PREFETCH), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)),
+    prefetch, unroll = mainloop_unroll(len(formats), mt, plan.small_call)
+    defines = (("PF", prefetch), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)),
                ("DIRECT_ROUTE", int(plan.direct)), ("PAIR_SCALAR", pair_scalar(mt)),
-               ("KTILE_UNROLL", ktile_unroll(len(formats), mt)), ("ROUTE_MAJOR", int(plan.route_major)))
+               ("KTILE_UNROLL", unroll), ("ROUTE_MAJOR", int(plan.route_major)))
     return defines, prelude
 
 
