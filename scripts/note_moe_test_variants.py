@@ -1,4 +1,4 @@
-"""Note the warp-specialized MoE variants the MoE GPU tests compile (pretend sm_90), for scripts/warm_cache.py."""
+"""Note the MoE kernel variants the MoE GPU tests compile (pretend sm_90), for scripts/warm_cache.py."""
 import sys, torch
 sys.path.insert(0, "scripts")
 import note_variants as nv
@@ -6,12 +6,19 @@ from exl3moe import EXL3Weight, ExpertSet, ResidualStage
 from exl3moe.ops.moe import moe_plan
 nv.pretend_sm90()
 def w(k, n, K, cb):
-    return EXL3Weight(torch.zeros(k // 16, n // 16, int(16 * K), dtype=torch.int16), torch.ones(k).half(), torch.ones(n).half(), cb)
+    trellis = torch.zeros(k // 16, n // 16, int(16 * K), dtype=torch.int16)
+    return EXL3Weight(trellis, torch.ones(k).half(), torch.ones(n).half(), cb)
 def experts(E, H, I, Ks, cbs, act="silu", limit=None):
     mk = lambda k, n: [w(k, n, Ks[e % len(Ks)], cbs[e % len(cbs)]) for e in range(E)]
     return ExpertSet(mk(H, I), mk(H, I), mk(I, H), act, limit=limit)
 q = experts(128, 2048, 768, [4, 3, 2, 6, 2.5], ["mcg", "3inst", "mul1", "mcg", "mul1"])
 moe_plan(q, 1024, 8, block_m=128)
+for T in (1, 2, 3, 4, 8, 64, 300):   # the mixed Qwen3 layer's routed calls
+    moe_plan(q, T, 8)
+layer = experts(16, 512, 384, [4, 2, 3.5, 8], ["mcg", "3inst", "mul1", "mcg"])
+shared = experts(1, 512, 640, [3], ["mul1"])
+for T in (1, 7, 40, 200):   # both backends against float64, with a shared expert
+    moe_plan(layer, T, 4, shared=shared)
 res = lambda ws, K, cb: [w(x.in_features, x.out_features, K, cb) for x in ws]
 st = ResidualStage(res(q.gate, 2, "mcg"), res(q.up, 2, "mcg"), res(q.down, 2, "mcg"), torch.zeros(128, 3))
 moe_plan(ExpertSet(q.gate, q.up, q.down, "silu", stages=[st]), 300, 8, block_m=128, out_dtype=torch.float16)
