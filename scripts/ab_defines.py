@@ -69,16 +69,26 @@ def moe_case(shape, label, tokens, gen):
     return f"moe {shape} K={label} T {tokens}", calls
 
 
-def cases(args, gen):
+def linear_params(args):
     for shape in args.shapes:
         k, n = map(int, shape.split("x"))
         for K in args.bits:
             for codebook in args.codebooks:
                 for rows in args.rows:
-                    yield linear_case(k, n, K, codebook, rows, gen)
+                    yield k, n, K, codebook, rows
+
+
+def moe_params(args):
     for label in args.layers:
         for tokens in args.tokens:
-            yield moe_case("qwen3-30b-a3b", label, tokens, gen)
+            yield label, tokens
+
+
+def cases(args, gen):
+    for k, n, K, codebook, rows in linear_params(args):
+        yield linear_case(k, n, K, codebook, rows, gen)
+    for label, tokens in moe_params(args):
+        yield moe_case("qwen3-30b-a3b", label, tokens, gen)
 
 
 def note(args):
@@ -88,15 +98,10 @@ def note(args):
     hidden, inter, E, top_k = SHAPES["qwen3-30b-a3b"]
     for define_set in args.sets:
         use_set(define_set)
-        for shape in args.shapes:
-            k, n = map(int, shape.split("x"))
-            for K in args.bits:
-                for codebook in args.codebooks:
-                    for rows in args.rows:
-                        LinearPlan(note_variants.weight(k, n, K, codebook), rows)
-        for label in args.layers:
-            for tokens in args.tokens:
-                moe_plan(note_variants.layer(hidden, inter, E, layer_widths(label)), tokens, top_k)
+        for k, n, K, codebook, rows in linear_params(args):
+            LinearPlan(note_variants.weight(k, n, K, codebook), rows)
+        for label, tokens in moe_params(args):
+            moe_plan(note_variants.layer(hidden, inter, E, layer_widths(label)), tokens, top_k)
 
 
 def main(args):
