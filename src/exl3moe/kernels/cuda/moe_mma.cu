@@ -20,7 +20,10 @@
 static_assert(WARPS * 32 == WS_THREADS, "a warp-specialized block is its producers and consumers");
 #define KERNEL_BOUNDS __launch_bounds__(WARPS * 32, 1)   // one block per SM: setmaxnreg needs the entry count
 #else
-#define KERNEL_BOUNDS __launch_bounds__(WARPS * 32)
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 0                                    // A/B builds: blocks per SM that ptxas must fit registers for
+#endif
+#define KERNEL_BOUNDS __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 #endif
 
 constexpr int BLOCK_M = 16 * MT;
