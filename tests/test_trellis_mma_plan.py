@@ -78,7 +78,7 @@ def test_decode_variants_follow_block_rows_and_format_count():
     two = random_experts(4, 256, 256, K=[3, 4, 3, 4], codebook="mcg")
     many = random_experts(4, 256, 256, K=[2, 3, 4, 5], codebook="mcg")
     for experts, block_m, unroll in ((uniform, 16, 8), (two, 16, 8), (many, 16, 4), (many, 32, 4), (many, 64, 8)):
-        plan = moe_mma_layout(experts, max_slots=8, block_m=block_m)
+        plan = moe_mma_layout(experts, max_slots=64, block_m=block_m)   # not a small call (SMALL_CALL_SLOTS)
         for name in ("moe_gate_up_mma", "moe_down_mma"):
             defines = dict(kernel_source(plan, name)[0])
             assert defines["KTILE_UNROLL"] == unroll and defines["PAIR_SCALAR"] == pair_scalar(block_m // 16)
