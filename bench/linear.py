@@ -25,16 +25,22 @@ def random_weight(k, n, K, codebook, gen):
     return EXL3Weight(trellis, suh, svh, codebook)
 
 
-def time_exl3(k, n, K, codebook, rows, gen, tiles=None):
+def exl3_calls(k, n, K, codebook, rows, gen, tiles=None):
+    """(builder, trellis bytes of one copy): the builder plans and binds one call per rotating weight copy."""
     probe = random_weight(k, n, K, codebook, gen)
-    copies = copies_for(probe.trellis_bytes)
-    weights = [probe] + [random_weight(k, n, K, codebook, gen) for _ in range(copies - 1)]
+    weights = [probe] + [random_weight(k, n, K, codebook, gen) for _ in range(copies_for(probe.trellis_bytes) - 1)]
     x = torch.randn(rows, k, device="cuda", dtype=torch.float16, generator=gen)
     out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
-    plan = LinearPlan(weights[0], rows, tiles)
-    workspace = plan.allocate()
-    runners = [LinearPlan(w, rows, tiles).bind(workspace) for w in weights]
-    return time_graph([lambda r=r: r.run(x, out) for r in runners], replays=10), probe.trellis_bytes
+
+    def calls():
+        workspace = LinearPlan(weights[0], rows, tiles).allocate()
+        return [lambda r=LinearPlan(w, rows, tiles).bind(workspace): r.run(x, out) for w in weights]
+    return calls, probe.trellis_bytes
+
+
+def time_exl3(k, n, K, codebook, rows, gen, tiles=None):
+    calls, trellis_bytes = exl3_calls(k, n, K, codebook, rows, gen, tiles)
+    return time_graph(calls(), replays=10), trellis_bytes
 
 
 def time_fp16(k, n, rows, gen):

@@ -43,13 +43,22 @@ def routings(T, E, top_k, gen):
     return out
 
 
-def time_exl3(experts, T, top_k, gen, shared=None) -> tuple:
-    """(median us, "cuda" or "triton": which expert kernels the plan runs)."""
-    plan = moe_plan(experts, T, top_k, shared=shared)
-    runner = plan.bind(plan.allocate())
+def exl3_calls(experts, T, top_k, gen, shared=None):
+    """A builder of (one call per routing, the plan): it plans, binds and returns the calls to time."""
     x = (torch.randn(T, experts.hidden_size, device="cuda", generator=gen) * 0.3).half()
     out = torch.empty(T, experts.hidden_size, device="cuda", dtype=torch.float16)
-    calls = [lambda r=r: runner.run(x, r[0], r[1], out) for r in routings(T, experts.num_experts, top_k, gen)]
+    routes = routings(T, experts.num_experts, top_k, gen)
+
+    def calls():
+        plan = moe_plan(experts, T, top_k, shared=shared)
+        runner = plan.bind(plan.allocate())
+        return [lambda r=r: runner.run(x, r[0], r[1], out) for r in routes], plan
+    return calls
+
+
+def time_exl3(experts, T, top_k, gen, shared=None) -> tuple:
+    """(median us, "cuda" or "triton": which expert kernels the plan runs)."""
+    calls, plan = exl3_calls(experts, T, top_k, gen, shared)()
     return time_graph(calls, replays=10), "cuda" if plan.mma is not None else "triton"
 
 

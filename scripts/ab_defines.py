@@ -12,13 +12,13 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-from linear import random_weight  # noqa: E402
-from moe import LAYERS, SHAPES, random_layer, routings  # noqa: E402
+import linear as bench_linear  # noqa: E402
+from moe import LAYERS, SHAPES, exl3_calls, random_layer  # noqa: E402
 
 from exl3moe.kernels import nvrtc  # noqa: E402
 from exl3moe.ops.linear import LinearPlan  # noqa: E402
 from exl3moe.ops.moe import moe_plan  # noqa: E402
-from exl3moe.timing import capture_graph, copies_for, replay_times  # noqa: E402
+from exl3moe.timing import capture_graph, replay_times  # noqa: E402
 
 
 _SET_ENV = set()   # EXL3MOE_* variables the current set has put in the environment
@@ -40,14 +40,7 @@ def use_set(define_set: str) -> None:
 
 
 def linear_case(k, n, K, codebook, rows, gen):
-    probe = random_weight(k, n, K, codebook, gen)
-    weights = [probe] + [random_weight(k, n, K, codebook, gen) for _ in range(copies_for(probe.trellis_bytes) - 1)]
-    x = torch.randn(rows, k, device="cuda", dtype=torch.float16, generator=gen)
-    out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
-
-    def calls():
-        workspace = LinearPlan(weights[0], rows).allocate()
-        return [lambda r=LinearPlan(w, rows).bind(workspace): r.run(x, out) for w in weights]
+    calls, _ = bench_linear.exl3_calls(k, n, K, codebook, rows, gen)
     return f"{k}x{n} K{K} {codebook} rows {rows}", calls
 
 
@@ -57,16 +50,8 @@ def layer_widths(label: str) -> list:
 
 def moe_case(shape, label, tokens, gen):
     hidden, inter, E, top_k = SHAPES[shape]
-    experts = random_layer(hidden, inter, E, layer_widths(label), "mcg", gen)
-    x = (torch.randn(tokens, hidden, device="cuda", generator=gen) * 0.3).half()
-    out = torch.empty(tokens, hidden, device="cuda", dtype=torch.float16)
-    routes = routings(tokens, E, top_k, gen)
-
-    def calls():
-        plan = moe_plan(experts, tokens, top_k)
-        runner = plan.bind(plan.allocate())
-        return [lambda r=r: runner.run(x, r[0], r[1], out) for r in routes]
-    return f"moe {shape} K={label} T {tokens}", calls
+    build = exl3_calls(random_layer(hidden, inter, E, layer_widths(label), "mcg", gen), tokens, top_k, gen)
+    return f"moe {shape} K={label} T {tokens}", lambda: build()[0]
 
 
 def linear_params(args):
