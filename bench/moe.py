@@ -127,21 +127,26 @@ def residual_stage(experts, scales, K, codebook, gen):
     return ResidualStage(residuals(experts.gate), residuals(experts.up), residuals(experts.down), scales)
 
 
-def stage_variants(args):
+def stage_layers(codebook, gen) -> dict:
     """Qwen3 shape, K4 base: alone; with an all-zero stage table; one K2 MCG stage on all / a quarter of experts."""
-    gen = torch.Generator(device="cuda").manual_seed(1)
     hidden, inter, E, top_k = SHAPES["qwen3-30b-a3b"]
-    base = random_layer(hidden, inter, E, [4], args.codebook, gen)
+    base = random_layer(hidden, inter, E, [4], codebook, gen)
     every = torch.full((E, 3), 0.1, device="cuda")
     quarter = torch.zeros(E, 3, device="cuda")
     quarter[::4] = 0.1
     variants = {"base": [], "zero-stage": [residual_stage(base, torch.zeros(E, 3, device="cuda"), 2, "mcg", gen)],
                 "k2-all": [residual_stage(base, every, 2, "mcg", gen)],
                 "k2-quarter": [residual_stage(base, quarter, 2, "mcg", gen)]}
+    return {name: ExpertSet(base.gate, base.up, base.down, "silu", stages=st) for name, st in variants.items()}
+
+
+def stage_variants(args):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    top_k = SHAPES["qwen3-30b-a3b"][3]
+    layers = stage_layers(args.codebook, gen)
     results = []
     for T in args.tokens:
-        for name, stages in variants.items():
-            layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=stages)
+        for name, layer in layers.items():
             us, kernels = time_exl3(layer, T, top_k, gen)
             results.append(dict(shape="qwen3-30b-a3b", K=4, stages=name, codebook=args.codebook, tokens=T,
                                 us=round(us, 1), experts=kernels))

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 import linear as bench_linear  # noqa: E402
-from moe import LAYERS, SHAPES, exl3_calls, random_layer  # noqa: E402
+from moe import LAYERS, SHAPES, exl3_calls, random_layer, stage_layers  # noqa: E402
 
 from exl3moe.kernels import nvrtc  # noqa: E402
 from exl3moe.ops.linear import LinearPlan  # noqa: E402
@@ -54,6 +54,11 @@ def moe_case(shape, label, tokens, gen):
     return f"moe {shape} K={label} T {tokens}", lambda: build()[0]
 
 
+def stage_case(name, layer, tokens, gen):
+    build = exl3_calls(layer, tokens, SHAPES["qwen3-30b-a3b"][3], gen)
+    return f"moe qwen3-30b-a3b K4 {name} T {tokens}", lambda: build()[0]
+
+
 def linear_params(args):
     for shape in args.shapes:
         k, n = map(int, shape.split("x"))
@@ -74,6 +79,10 @@ def cases(args, gen):
         yield linear_case(k, n, K, codebook, rows, gen)
     for label, tokens in moe_params(args):
         yield moe_case("qwen3-30b-a3b", label, tokens, gen)
+    layers = stage_layers("mcg", gen) if args.stages else {}
+    for name in args.stages:
+        for tokens in args.tokens:
+            yield stage_case(name, layers[name], tokens, gen)
 
 
 def note(args):
@@ -87,6 +96,8 @@ def note(args):
             LinearPlan(note_variants.weight(k, n, K, codebook), rows)
         for label, tokens in moe_params(args):
             moe_plan(note_variants.layer(hidden, inter, E, layer_widths(label)), tokens, top_k)
+        for tokens in args.tokens if args.stages else ():
+            moe_plan(note_variants.stage_layer(hidden, inter, E), tokens, top_k)
 
 
 def main(args):
@@ -115,7 +126,8 @@ if __name__ == "__main__":
     ap.add_argument("--codebooks", nargs="+", default=["mcg"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1])
     ap.add_argument("--tokens", nargs="*", type=int, default=[])
-    ap.add_argument("--layers", nargs="+", default=["4"], help="MoE layers (bench/moe.py LAYERS), Qwen3 shape")
+    ap.add_argument("--layers", nargs="*", default=["4"], help="MoE layers (bench/moe.py LAYERS), Qwen3 shape")
+    ap.add_argument("--stages", nargs="*", default=[], help="Qwen3 K4 stage layers (bench/moe.py stage_layers)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=4)
     ap.add_argument("--note", action="store_true", help="note the variants for warm_cache.py (no GPU)")

@@ -2,7 +2,7 @@
 columns (as trellis_mma at one row) from words in shared memory and feeds them to mma.sync, so the loop is the
 decode's instruction mix alone (no DRAM, no barriers). Prints weights per us per GPU for formats, pair-sum variants
 and warps per SM, to compare with the linear's 1-row rate. `--warm` compiles every variant into the cache (no GPU).
-Usage: python3 scripts/decode_rate.py [--warm]"""
+Usage: python3 scripts/decode_rate.py [--warm] [--variants K2=8,CB=1,PAIR_SCALAR=2 ...]"""
 
 import sys
 
@@ -80,18 +80,26 @@ def load(variant: dict, device_index: int):
     return nvrtc._check(driver.cuModuleGetFunction(module, b"decode_rate"), "cuModuleGetFunction")
 
 
+def variants() -> list:
+    """VARIANTS, or those given after --variants as NAME=VALUE,... items."""
+    if "--variants" not in sys.argv:
+        return VARIANTS
+    given = sys.argv[sys.argv.index("--variants") + 1:]
+    return [dict(item.split("=", 1) for item in v.split(",")) for v in given if not v.startswith("--")]
+
+
 def main() -> None:
     if "--warm" in sys.argv:
-        for variant in VARIANTS:
+        for variant in variants():
             nvrtc.cached_cubin(text(), defines_of(variant), "sm_90")
-        print(f"{len(VARIANTS)} variants in {nvrtc.cache_dir()}")
+        print(f"{len(variants())} variants in {nvrtc.cache_dir()}")
         return
     dev = torch.device("cuda")
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs; M weights per us per GPU")
     print("variant".ljust(44) + "".join(f"{4 * b:>8} w/SM" for b in BLOCKS_PER_SM))
     iters = 256
-    for variant in VARIANTS:
+    for variant in variants():
         func = load(variant, dev.index or 0)
         rates = []
         for bps in BLOCKS_PER_SM:

@@ -31,6 +31,7 @@ def pretend_sm90() -> None:
     nvrtc.kernel = kernel
     linear_ops.uses_ws = lambda rows, k, n, device: rows >= (32 if k * n < (1 << 24) else 64)
     moe_mma.uses_ws = lambda block_m, device: block_m == 128
+    moe_mma._sm_count = lambda device: 132
 
 
 @functools.lru_cache(maxsize=None)
@@ -43,6 +44,14 @@ def weight(k: int, n: int, K: float, codebook: str) -> EXL3Weight:
 def layer(hidden, inter, E, Ks, codebook="mcg", stages=()):
     proj = lambda k, n: [weight(k, n, Ks[e % len(Ks)], codebook) for e in range(E)]  # noqa: E731
     return ExpertSet(proj(hidden, inter), proj(hidden, inter), proj(inter, hidden), "silu", stages=list(stages))
+
+
+def stage_layer(hidden, inter, E):
+    """The stage benchmark's plans: a K4 MCG base with one K2 MCG stage (its plans do not read the scales)."""
+    base = layer(hidden, inter, E, [4])
+    residual = lambda bases: [weight(w.in_features, w.out_features, 2, "mcg") for w in bases]  # noqa: E731
+    stage = ResidualStage(residual(base.gate), residual(base.up), residual(base.down), torch.full((E, 3), 0.1))
+    return layer(hidden, inter, E, [4], stages=[stage])
 
 
 def main() -> None:
@@ -59,11 +68,8 @@ def main() -> None:
                 if shared is not None:
                     moe_plan(experts, T, top_k, shared=shared)
     hidden, inter, E, top_k = SHAPES["qwen3-30b-a3b"]
-    base = layer(hidden, inter, E, [4])
-    residual = lambda bases: [weight(w.in_features, w.out_features, 2, "mcg") for w in bases]  # noqa: E731
-    stage = ResidualStage(residual(base.gate), residual(base.up), residual(base.down), torch.full((E, 3), 0.1))
     for T in TOKENS:
-        moe_plan(layer(hidden, inter, E, [4], stages=[stage]), T, top_k)
+        moe_plan(stage_layer(hidden, inter, E), T, top_k)
     directory = os.path.join(nvrtc.cache_dir(), "variants")
     print(f"{len(os.listdir(directory))} variants noted in {directory}")
 

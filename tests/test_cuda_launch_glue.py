@@ -6,7 +6,7 @@ import re
 import pytest
 import torch
 
-from exl3moe.kernels import nvrtc
+from exl3moe.kernels import moe_mma, nvrtc
 from exl3moe.ops.moe import moe_plan
 from helpers import random_experts, random_stage, random_weight
 
@@ -32,9 +32,11 @@ def kind(arg) -> str:
 
 @pytest.fixture
 def launches(monkeypatch):
-    """Pretend the CUDA kernels are available: compiling returns (file, name); launches are recorded."""
+    """Pretend the CUDA kernels are available (on an H200's 132 SMs): compiling returns (file, name); launches are
+    recorded."""
     recorded = []
     monkeypatch.setattr(nvrtc, "available", lambda device: True)
+    monkeypatch.setattr(moe_mma, "_sm_count", lambda device: 132)
     monkeypatch.setattr(nvrtc, "kernel",
                         lambda file, name, defines, index, prelude="", arch_suffix="": (file, name, prelude))
     monkeypatch.setattr(nvrtc, "launch",
@@ -99,8 +101,6 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
 def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, persistent_gate_up):
     """128-row plans on sm_90: gate/up on trellis_ws.cuh; single-split plans take the persistent down (and gate/up,
     when opted in) over one block per SM, with the shared memory their kernels need."""
-    from exl3moe.kernels import moe_mma
-
     monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
     monkeypatch.setattr(moe_mma, "_sm_count", lambda device: 5)
     monkeypatch.setenv("EXL3MOE_MOE_WS_GATE_UP", persistent_gate_up)
@@ -145,7 +145,6 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
 @pytest.mark.parametrize("stages", ["2", "7", "six"])
 def test_moe_ring_depth_outside_its_range_is_refused(launches, monkeypatch, stages):
     from exl3moe.errors import ContractError
-    from exl3moe.kernels import moe_mma
 
     monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
     monkeypatch.setenv("EXL3MOE_MOE_WS_STAGES", stages)

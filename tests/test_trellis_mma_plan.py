@@ -1,5 +1,6 @@
 """CPU checks of the CUDA C++ linear's planning: splits from (k, n) only, whole chunks, no empty split."""
 
+from dataclasses import replace
 from importlib import resources
 
 import pytest
@@ -70,18 +71,31 @@ def test_moe_mma_layout_covers_every_projection_and_stage_format():
 def test_decode_variants_follow_block_rows_and_format_count():
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import kernel_source, moe_mma_layout
+    from exl3moe.kernels.moe_mma import DIRECT_GATE_UP_MIN_BLOCKS, kernel_source, moe_mma_layout
     from exl3moe.kernels.trellis_mma import pair_scalar
 
-    assert [pair_scalar(mt) for mt in (1, 2, 4, 8)] == [2, 2, 0, 0]
+    assert [pair_scalar(mt) for mt in (1, 2, 4, 8)] == [3, 3, 0, 0]
     uniform = random_experts(4, 256, 256, K=4, codebook="mcg")
     two = random_experts(4, 256, 256, K=[3, 4, 3, 4], codebook="mcg")
     many = random_experts(4, 256, 256, K=[2, 3, 4, 5], codebook="mcg")
-    for experts, block_m, unroll in ((uniform, 16, 8), (two, 16, 8), (many, 16, 4), (many, 32, 4), (many, 64, 8)):
+    # Packed blocks of few rows: the PRMT pack (1), or the FMA-pipe pack (2) with many formats; many rows: PRMT + HADD2.
+    cases = ((uniform, 16, 8, 1), (two, 16, 8, 1), (many, 16, 4, 2), (many, 32, 4, 2), (many, 64, 8, 0))
+    for experts, block_m, unroll, pair_sums in cases:
         plan = moe_mma_layout(experts, max_slots=64, block_m=block_m)   # not a small call (SMALL_CALL_SLOTS)
         for name in ("moe_gate_up_mma", "moe_down_mma"):
             defines = dict(kernel_source(plan, name)[0])
-            assert defines["KTILE_UNROLL"] == unroll and defines["PAIR_SCALAR"] == pair_scalar(block_m // 16)
+            assert defines["KTILE_UNROLL"] == unroll and defines["PAIR_SCALAR"] == pair_sums
+    direct = moe_mma_layout(uniform, max_slots=8, block_m=16, direct=True)
+    assert direct.direct and dict(kernel_source(direct, "moe_gate_up_mma")[0])["PAIR_SCALAR"] == pair_scalar(1)
+    # One-row gate/up of more than one mainloop is held to DIRECT_GATE_UP_MIN_BLOCKS blocks per SM; nothing else is.
+    staged = replace(moe_mma_layout(uniform, max_slots=8, block_m=16, stage_formats=((4, 1),), direct=True),
+                     one_wave=True)
+    assert dict(kernel_source(staged, "moe_gate_up_mma")[0])["MIN_BLOCKS"] == DIRECT_GATE_UP_MIN_BLOCKS
+    two = replace(moe_mma_layout(two, max_slots=8, block_m=16, direct=True), one_wave=True)
+    assert dict(kernel_source(two, "moe_gate_up_mma")[0])["MIN_BLOCKS"] == DIRECT_GATE_UP_MIN_BLOCKS
+    waves = replace(two, one_wave=False)   # blocks in more than one wave anyway: ptxas's own register count
+    unbounded = ((staged, "moe_down_mma"), (direct, "moe_gate_up_mma"), (two, "moe_down_mma"), (waves, "moe_gate_up_mma"))
+    assert all("MIN_BLOCKS" not in dict(kernel_source(p, n)[0]) for p, n in unbounded)
 
 
 def test_direct_route_limit_depends_on_slots_and_formats():

@@ -17,12 +17,15 @@ import torch
 from ..errors import ContractError
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
-from .trellis_mma import (CHUNK_K, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits, ws_ring_shared_bytes,
-                          pair_scalar)
+from .trellis_mma import (CHUNK_K, PAIR_SCALAR_MAX_MT, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits,
+                          pair_scalar, ws_ring_shared_bytes)
 
 PREFETCH = 4
 CHUNK_KTILES, MIXED_KTILE_UNROLL = CHUNK_K // 16, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
 MIXED_MIN_FORMATS, MIXED_MAX_MT = 4, 2
+# One-row gate/up of more than one mainloop (formats or stages) whose blocks fit one wave at this many per SM:
+# registers for that many (ptxas would give such kernels 80-92, 5-6 per SM).
+DIRECT_GATE_UP_MIN_BLOCKS = 7
 SMALL_CALL_SLOTS, SMALL_CALL_UNROLL = 32, 2  # calls of so few slots run every block at once: smallest mainloops
 MAX_GRID_ROWS = 65535  # gridDim.y: gate/up and down launch one grid row per route block (column blocks along x)
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
@@ -52,6 +55,7 @@ class MoeMmaPlan:
     ws_down: bool = False  # down persistent and warp-specialized (moe_down_ws; single-split plans): no partials
     ws_stages: int = WS_STAGES  # ring stages of the warp-specialized kernels
     small_call: bool = False  # at most SMALL_CALL_SLOTS slots per call
+    one_wave: bool = False  # a full call's gate/up blocks fit on the GPU at DIRECT_GATE_UP_MIN_BLOCKS per SM
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
@@ -146,7 +150,9 @@ def uses_ws(block_m: int, device: torch.device) -> bool:
 def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (), direct: bool = False) -> MoeMmaPlan:
     """moe_mma_layout, with both kernels compiled for the layer's formats."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
-    plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0")
+    blocks = max_slots * (2 * experts.intermediate_size // 128) * plan.gate_up_splits
+    plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0",
+                   one_wave=direct and blocks <= DIRECT_GATE_UP_MIN_BLOCKS * _sm_count(experts.device))
     if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
         plan = replace(plan, ws=True,
                        ws_gate_up=plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1",
@@ -166,6 +172,15 @@ def mainloop_unroll(formats: int, mt: int, small_call: bool) -> tuple:
     if formats >= MIXED_MIN_FORMATS and mt <= MIXED_MAX_MT:
         return (SMALL_CALL_UNROLL, SMALL_CALL_UNROLL) if small_call else (PREFETCH, MIXED_KTILE_UNROLL)
     return PREFETCH, CHUNK_KTILES
+
+
+def moe_pair_scalar(formats: int, mt: int, direct: bool) -> int:
+    """PAIR_SCALAR (trellis_core.cuh) of an mma.sync MoE kernel: the linear's choice for one-row direct blocks and
+    blocks of many rows; packed route blocks of few rows pack their sums with a PRMT (1), or on the FMA pipe (2)
+    when they hold many formats, which leaves ptxas room for the mainloops without a spill."""
+    if direct or mt > PAIR_SCALAR_MAX_MT:
+        return pair_scalar(mt)
+    return 2 if formats >= MIXED_MIN_FORMATS else 1
 
 
 def _dispatch(name: str, formats: tuple, mt: int, nt: int) -> str:
@@ -201,8 +216,11 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     formats = plan.gate_up_formats if gate_up else plan.down_formats
     prefetch, unroll = mainloop_unroll(len(formats), mt, plan.small_call)
     defines = (("PF", prefetch), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)),
-               ("DIRECT_ROUTE", int(plan.direct)), ("PAIR_SCALAR", pair_scalar(mt)),
+               ("DIRECT_ROUTE", int(plan.direct)),
+               ("PAIR_SCALAR", moe_pair_scalar(len(formats), mt, plan.direct)),
                ("KTILE_UNROLL", unroll), ("ROUTE_MAJOR", int(plan.route_major)))
+    if plan.direct and plan.one_wave and gate_up and len(formats) + len(plan.stage_formats) > 1:
+        defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)
     return defines, prelude
 
 

@@ -88,9 +88,9 @@ def prefetch_for(rows: int, k: int, n: int, K: float, tiles: MmaTiles | None = N
 
 
 def pair_scalar(mt: int) -> int:
-    """The decode's pair-sum variant (PAIR_SCALAR in trellis_core.cuh) for blocks of mt m16 tiles: the sums go
+    """The decode's pair-sum variant (PAIR_SCALAR in trellis_core.cuh) for blocks of mt m16 tiles: half the sums go
     to the FMA pipe where the ALU pipe bounds the loop (few rows); every variant decodes the same bits."""
-    return 2 if mt <= PAIR_SCALAR_MAX_MT else 0
+    return 3 if mt <= PAIR_SCALAR_MAX_MT else 0
 
 
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
@@ -152,6 +152,7 @@ def counter_count(n: int, max_rows: int) -> int:
 OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
 WS_STAGES, WS_STAGE_KTILES, WS_THREADS = 3, 4, 768  # trellis_ws: ring stages of 4 k-tiles; 16 + 8 warps
+WS_PAIR_SCALAR = 1   # trellis_ws producers' pair sums: scalar HADDs and a PRMT pack
 # trellis_ws.cuh's dynamic shared memory (WsShared): ring stages, alignment slack, two x chunks, the barriers; the
 # linear adds its running sum (128 rows of 136 fp32).
 def ws_ring_shared_bytes(stages: int = WS_STAGES) -> int:
@@ -177,7 +178,7 @@ def uses_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
 
 def ws_kernel(K: float, codebook: str, device: torch.device):
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH), ("STAGES", WS_STAGES),
-               ("STAGE_KT", WS_STAGE_KTILES), ("PAIR_SCALAR", 2))
+               ("STAGE_KT", WS_STAGE_KTILES), ("PAIR_SCALAR", WS_PAIR_SCALAR))
     return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0, arch_suffix="a")
 
 

@@ -21,7 +21,7 @@ static_assert(WARPS * 32 == WS_THREADS, "a warp-specialized block is its produce
 #define KERNEL_BOUNDS __launch_bounds__(WARPS * 32, 1)   // one block per SM: setmaxnreg needs the entry count
 #else
 #ifndef MIN_BLOCKS
-#define MIN_BLOCKS 0                                    // A/B builds: blocks per SM that ptxas must fit registers for
+#define MIN_BLOCKS 0                                   // blocks per SM that ptxas must fit the registers for
 #endif
 #define KERNEL_BOUNDS __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 #endif

@@ -7,9 +7,15 @@ typedef unsigned long long u64;
 
 constexpr int XS = 136;                    // smem row stride of the x chunk (halves): conflict-free ldmatrix
 constexpr int CHUNK = 8;                   // k-tiles per staged x chunk (128 inputs)
-// Pair sums (same bits): 0 PRMT + HADD2 (ALU pipe), 1 scalar HADDs + a pack, 2 scalar HADDs packed on the FMA pipe.
+// Pair sums (same bits): 0 PRMT + HADD2 (ALU pipe), 1 scalar HADDs + a pack, 2 scalar HADDs packed on the FMA pipe,
+// 3 alternating 1 and 2.
 #ifndef PAIR_SCALAR
 #define PAIR_SCALAR 0
+#endif
+// Windows in a word's first half: 1 from shifted copies shared 8 bits apart (one shift or byte permute each), 0 a
+// shift and a mask each.
+#ifndef WINDOW_COPIES
+#define WINDOW_COPIES 1
 #endif
 #ifndef KTILE_UNROLL
 #define KTILE_UNROLL CHUNK                 // k-tiles per unrolled mainloop body: a multiple of PF, dividing CHUNK
@@ -59,7 +65,7 @@ __device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
 }
 
 // Codebook values of states s0, s1 as an f16x2 (s0 in the low half).
-template <int CB_>
+template <int CB_, int PS = PAIR_SCALAR>
 __device__ __forceinline__ u32 decode_pair(u32 s0, u32 s1) {
     if constexpr (CB_ == 2) {
     u32 x0 = s0 * 0x83DCD12Du, x1 = s1 * 0x83DCD12Du, h0, h1, r;
@@ -73,17 +79,17 @@ __device__ __forceinline__ u32 decode_pair(u32 s0, u32 s1) {
     x0 = lop3_mask_xor(x0);
     x1 = lop3_mask_xor(x1);
     u32 r;
-#if PAIR_SCALAR == 1
+    if constexpr (PS == 1) {
     asm("{ .reg .f16 a, b, c, d, e, f; mov.b32 {a, b}, %1; mov.b32 {c, d}, %2; add.rn.f16 e, a, b; "
         "add.rn.f16 f, c, d; mov.b32 %0, {e, f}; }" : "=r"(r) : "r"(x0), "r"(x1));
-#elif PAIR_SCALAR == 2
+    } else if constexpr (PS == 2) {
     asm("{ .reg .f16 a, b, c, d, e, f; .reg .b32 ee, ff, g; mov.b32 {a, b}, %1; mov.b32 {c, d}, %2; "
         "add.rn.f16 e, a, b; add.rn.f16 f, c, d; mov.b32 ee, {e, e}; mov.b32 ff, {f, f}; "
         "mul.rn.f16x2 g, ff, %3; fma.rn.f16x2 %0, ee, %4, g; }"
         : "=r"(r) : "r"(x0), "r"(x1), "r"(0x3C000000u), "r"(0x00003C00u));
-#else
+    } else {
     asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(prmt(x0, x1, 0x5410)), "r"(prmt(x0, x1, 0x7632)));
-#endif
+    }
     return r;
     }
 }
@@ -91,11 +97,26 @@ __device__ __forceinline__ u32 decode_pair(u32 s0, u32 s1) {
 // Bits [B, B + 16) of the big-endian bit string s[0] s[1] ... as a 16-bit state.
 template <int B>
 __device__ __forceinline__ u32 window(const u32* s) {
-    constexpr int wi = B >> 5, off = B & 31;
-    if constexpr (off <= 16) {
+    constexpr int wi = B >> 5, off = B & 31, r = off % 8;
+    if constexpr (WINDOW_COPIES && off < 16) {
+        u32 c = s[wi];   // a copy shifted by 1..7 bits serves the windows 8 bits apart (asm: never refolded)
+        if constexpr (r > 0) asm("shl.b32 %0, %1, %2;" : "=r"(c) : "r"(s[wi]), "n"(r));
+        return off == r ? c >> 16 : prmt(c, 0u, 0x4421);
+    } else if constexpr (off <= 16) {
         return (s[wi] >> (16 - off)) & 0xffffu;
     } else {
         return __funnelshift_r(s[wi + 1], s[wi], 48 - off) & 0xffffu;
+    }
+}
+
+// Bits [B, B + 32) of the big-endian bit string s[0] s[1] ...
+template <int B>
+__device__ __forceinline__ u32 window32(const u32* s) {
+    constexpr int wi = B >> 5, off = B & 31;
+    if constexpr (off == 0) {
+        return s[wi];
+    } else {
+        return __funnelshift_r(s[wi + 1], s[wi], 32 - off);
     }
 }
 
@@ -110,10 +131,25 @@ struct Trellis {
     static constexpr int SH = ((S0 - 16) % 32 + 32) % 32;
     static constexpr int NW = ALIGNED ? (SH + SPAN + 31) / 32 : (31 + SPAN + 31) / 32;   // words loaded per tile
 
+    static constexpr int PAIR_GAP = 32 % K2_ == 0 ? 32 / K2_ : 8;   // positions between windows 16 bits apart
+
     template <int Q>
-    __device__ static __forceinline__ u32 state_of(const u32* s) {
-        constexpr int start = ((Q + 1) * K2_) / 2 - S0 + (ALIGNED ? SH : 0);
-        return window<start>(s);
+    static constexpr int start_of() { return ((Q + 1) * K2_) / 2 - S0 + (ALIGNED ? SH : 0); }
+
+    // The 8 states of the lane's positions Q..7: a window 16 bits after another comes from the same 32 bits.
+    template <int Q>
+    __device__ static __forceinline__ void states_from(const u32* s, u32 (&st)[8]) {
+        if constexpr (Q < 8) {
+            constexpr bool paired = PAIR_GAP < 8;
+            if constexpr (paired && (Q / PAIR_GAP) % 2 == 0) {
+                const u32 z = window32<start_of<Q>()>(s);
+                st[Q] = z >> 16;
+                st[Q + PAIR_GAP] = z & 0xffffu;
+            } else if constexpr (!paired) {
+                st[Q] = window<start_of<Q>()>(s);
+            }
+            states_from<Q + 1>(s, st);
+        }
     }
 
     // First ring bit of this lane's windows (biased by one ring so it is never negative).
@@ -130,10 +166,14 @@ struct Trellis {
             for (int i = 0; i + 1 < NW; i++) s[i] = __funnelshift_l(w[i + 1], w[i], sh);
             s[NW - 1] = w[NW - 1] << sh;
         }
-        b[0] = decode_pair<CB_>(state_of<0>(s), state_of<1>(s));
-        b[1] = decode_pair<CB_>(state_of<2>(s), state_of<3>(s));
-        b[2] = decode_pair<CB_>(state_of<4>(s), state_of<5>(s));
-        b[3] = decode_pair<CB_>(state_of<6>(s), state_of<7>(s));
+        u32 st[8];
+        states_from<0>(s, st);
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            constexpr int ps = PAIR_SCALAR == 3 ? 1 : PAIR_SCALAR;   // 3: odd pairs on the FMA pipe (2), even as 1
+            b[i] = PAIR_SCALAR == 3 && i % 2 ? decode_pair<CB_, 2>(st[2 * i], st[2 * i + 1])
+                                             : decode_pair<CB_, ps>(st[2 * i], st[2 * i + 1]);
+        }
     }
 };
 
