@@ -12,11 +12,6 @@ constexpr int CHUNK = 8;                   // k-tiles per staged x chunk (128 in
 #ifndef PAIR_SCALAR
 #define PAIR_SCALAR 0
 #endif
-// Windows in a word's first half: 1 from shifted copies shared 8 bits apart (one shift or byte permute each), 0 a
-// shift and a mask each.
-#ifndef WINDOW_COPIES
-#define WINDOW_COPIES 1
-#endif
 #ifndef KTILE_UNROLL
 #define KTILE_UNROLL CHUNK                 // k-tiles per unrolled mainloop body: a multiple of PF, dividing CHUNK
 #endif
@@ -98,12 +93,12 @@ __device__ __forceinline__ u32 decode_pair(u32 s0, u32 s1) {
 template <int B>
 __device__ __forceinline__ u32 window(const u32* s) {
     constexpr int wi = B >> 5, off = B & 31, r = off % 8;
-    if constexpr (WINDOW_COPIES && off < 16) {
+    if constexpr (off < 16) {
         u32 c = s[wi];   // a copy shifted by 1..7 bits serves the windows 8 bits apart (asm: never refolded)
         if constexpr (r > 0) asm("shl.b32 %0, %1, %2;" : "=r"(c) : "r"(s[wi]), "n"(r));
         return off == r ? c >> 16 : prmt(c, 0u, 0x4421);
-    } else if constexpr (off <= 16) {
-        return (s[wi] >> (16 - off)) & 0xffffu;
+    } else if constexpr (off == 16) {
+        return s[wi] & 0xffffu;
     } else {
         return __funnelshift_r(s[wi + 1], s[wi], 48 - off) & 0xffffu;
     }
