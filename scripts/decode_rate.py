@@ -12,8 +12,8 @@ from exl3moe.kernels import nvrtc
 
 TILES_PER_ITER = 8  # k-steps per unrolled loop body, two tiles each
 VARIANTS = [dict(K2=8, CB=1, PAIR_SCALAR=0), dict(K2=8, CB=1, PAIR_SCALAR=1), dict(K2=8, CB=1, PAIR_SCALAR=2),
-            dict(K2=8, CB=1, PAIR_SCALAR=2, USE_MMA=0), dict(K2=8, CB=2, PAIR_SCALAR=2),
-            dict(K2=8, CB=0, PAIR_SCALAR=2), dict(K2=4, CB=1, PAIR_SCALAR=2), dict(K2=12, CB=1, PAIR_SCALAR=2)]
+            dict(K2=8, CB=1, PAIR_SCALAR=3), dict(K2=8, CB=1, PAIR_SCALAR=3, USE_MMA=0), dict(K2=8, CB=2),
+            dict(K2=8, CB=0, PAIR_SCALAR=3), dict(K2=4, CB=1, PAIR_SCALAR=3), dict(K2=12, CB=1, PAIR_SCALAR=3)]
 BLOCKS_PER_SM = (1, 2, 4, 8)
 
 KERNEL = r"""

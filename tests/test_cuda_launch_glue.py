@@ -96,6 +96,24 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
         assert down[3][-10] is None, "the combine is its own launch"
 
 
+def test_one_row_gate_up_of_many_mainloops_is_bounded_only_when_a_call_fits_one_wave(launches, monkeypatch):
+    """A direct plan's gate/up of two formats gets __launch_bounds__' minimum blocks when a full call's blocks fit
+    on the GPU at that many per SM; a uniform layer's, or a call of more blocks, keeps ptxas's own registers."""
+    from exl3moe.kernels.moe_mma import DIRECT_GATE_UP_MIN_BLOCKS, kernel_source
+
+    g = torch.Generator().manual_seed(4)
+    mixed = random_experts(8, 256, 256, K=[3, 4] * 4, codebook="mcg", generator=g)
+    uniform = random_experts(8, 256, 256, K=4, codebook="mcg", generator=g)
+    monkeypatch.setattr(moe_mma, "_sm_count", lambda device: 3)   # 21 blocks in flight: one token's 16, not four's
+    for experts, T, bounded in ((mixed, 1, True), (mixed, 4, False), (uniform, 1, False)):
+        mma = moe_plan(experts, T, 2).mma
+        blocks = T * 2 * (2 * 256 // 128) * mma.gate_up_splits
+        assert mma.direct and mma.one_wave == (blocks <= 3 * DIRECT_GATE_UP_MIN_BLOCKS)
+        defines = dict(kernel_source(mma, "moe_gate_up_mma")[0])
+        assert defines.get("MIN_BLOCKS") == (DIRECT_GATE_UP_MIN_BLOCKS if bounded else None), (T, blocks)
+        assert "MIN_BLOCKS" not in dict(kernel_source(mma, "moe_down_mma")[0])
+
+
 @pytest.mark.parametrize("persistent_gate_up", ["0", "1"])
 @pytest.mark.parametrize("single_split", [False, True])
 def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, persistent_gate_up):
