@@ -94,7 +94,8 @@ def test_decode_variants_follow_block_rows_and_format_count():
     two = replace(moe_mma_layout(two, max_slots=8, block_m=16, direct=True), one_wave=True)
     assert dict(kernel_source(two, "moe_gate_up_mma")[0])["MIN_BLOCKS"] == DIRECT_GATE_UP_MIN_BLOCKS
     waves = replace(two, one_wave=False)   # blocks in more than one wave anyway: ptxas's own register count
-    unbounded = ((staged, "moe_down_mma"), (direct, "moe_gate_up_mma"), (two, "moe_down_mma"), (waves, "moe_gate_up_mma"))
+    unbounded = ((staged, "moe_down_mma"), (direct, "moe_gate_up_mma"), (two, "moe_down_mma"),
+                 (waves, "moe_gate_up_mma"))
     assert all("MIN_BLOCKS" not in dict(kernel_source(p, n)[0]) for p, n in unbounded)
 
 
