@@ -55,7 +55,7 @@ class MoeMmaPlan:
     ws_down: bool = False  # down persistent and warp-specialized (moe_down_ws; single-split plans): no partials
     ws_stages: int = WS_STAGES  # ring stages of the warp-specialized kernels
     small_call: bool = False  # at most SMALL_CALL_SLOTS slots per call
-    one_wave: bool = False  # a full call's gate/up blocks fit on the GPU at DIRECT_GATE_UP_MIN_BLOCKS per SM
+    one_wave: bool = False  # direct, and a full call's gate/up blocks fit at DIRECT_GATE_UP_MIN_BLOCKS per SM
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
@@ -219,7 +219,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
                ("DIRECT_ROUTE", int(plan.direct)),
                ("PAIR_SCALAR", moe_pair_scalar(len(formats), mt, plan.direct)),
                ("KTILE_UNROLL", unroll), ("ROUTE_MAJOR", int(plan.route_major)))
-    if plan.direct and plan.one_wave and gate_up and len(formats) + len(plan.stage_formats) > 1:
+    if plan.one_wave and gate_up and len(formats) + len(plan.stage_formats) > 1:
         defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)
     return defines, prelude
 
