@@ -118,3 +118,21 @@ def test_warp_specialized_kernel_gives_trellis_mma_bytes(k, n, spb, dtype, monke
     for rows, ref in expected.items():
         y = linear(x[:rows], w, out_dtype=dtype)
         assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8)), rows
+
+
+@pytest.mark.parametrize("k,n,K,codebook,dtype", [
+    (768, 2048, 4, "mcg", torch.float16), (768, 2048, 3, "mul1", torch.bfloat16),
+    (768, 2048, 6, "3inst", torch.float32), (4096, 14336, 4, "mcg", torch.float16)])
+def test_cluster_reduction_gives_the_same_bytes(k, n, K, codebook, dtype, monkeypatch):
+    """The splits of a 128-column group summed in a cluster's shared memory: the bytes of the L2 reduction."""
+    from exl3moe.kernels.trellis_mma import cluster_splits, plan_mma
+
+    w = make_weight(k, n, K, codebook, seed=11)
+    x = torch.randn(32, k, device="cuda").half()
+    monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", "0")
+    expected = {rows: linear(x[:rows], w, out_dtype=dtype) for rows in (1, 3, 8, 16, 17, 32)}
+    monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", "1")
+    assert cluster_splits(1, 2, plan_mma(k, n).splits) > 0, "this shape's split runs as a cluster"
+    for rows, ref in expected.items():
+        y = linear(x[:rows], w, out_dtype=dtype)
+        assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8)), rows

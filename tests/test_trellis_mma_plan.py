@@ -160,3 +160,12 @@ def test_benchmark_copies_cycle_past_the_l2():
     for size in (393216, 786432, 29360128):
         assert copies_for(size) * size >= L2_ROTATION_BYTES
     assert copies_for(1 << 30) == 2
+
+
+def test_cluster_reduction_is_opt_in_and_covers_whole_groups_of_two_to_eight_splits(monkeypatch):
+    from exl3moe.kernels.trellis_mma import MAX_CLUSTER, cluster_splits
+
+    assert cluster_splits(1, 2, 8) == 0, "off unless EXL3MOE_LINEAR_CLUSTER=1"
+    monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", "1")
+    assert [cluster_splits(1, 2, s) for s in (1, 2, 6, MAX_CLUSTER, MAX_CLUSTER + 1)] == [0, 2, 6, MAX_CLUSTER, 0]
+    assert cluster_splits(4, 1, 8) == 0, "64-column blocks: a group is two blocks per split"

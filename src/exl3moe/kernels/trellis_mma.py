@@ -93,12 +93,23 @@ def pair_scalar(mt: int) -> int:
     return 3 if mt <= PAIR_SCALAR_MAX_MT else 0
 
 
+MAX_CLUSTER = 8  # portable thread-block cluster size
+
+
+def cluster_splits(mt: int, nt: int, splits: int) -> int:
+    """CLUSTER_SPLITS of trellis_mma.cu: the splits of a 128-column group as one cluster that sums its partials in
+    shared memory (EXL3MOE_LINEAR_CLUSTER=1, blocks of 128 columns, 2..8 splits), else 0 (partials through L2)."""
+    on = os.environ.get("EXL3MOE_LINEAR_CLUSTER") == "1"
+    return splits if on and WARPS * nt * 16 == 128 and 2 <= splits <= MAX_CLUSTER else 0
+
+
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
-               nt: int | None = None):
+               nt: int | None = None, cluster: int = 0):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
     nt = nt or (2 if mt <= 2 else 1)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
                ("WARPS", WARPS), ("FUSE_IN", int(fuse_in)), ("PAIR_SCALAR", pair_scalar(mt)))
+    defines += (("CLUSTER_SPLITS", cluster),) if cluster else ()
     return nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0), nt
 
 
@@ -223,7 +234,8 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     if planned and not fuse_in and uses_ws(rows, k, tiles_n * 16, x.device):
         _launch_ws(x, w, partials, counters, out, tiles)
         return out
-    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, fuse_in, prefetch, nt)
+    nt = nt or (2 if mt <= 2 else 1)
+    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, fuse_in, prefetch, nt, cluster_splits(mt, nt, tiles.splits))
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,
                                           out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16, tiles_n, k // 16,

@@ -7,6 +7,30 @@
 
 using T = Trellis<K2, CB>;
 
+#ifndef CLUSTER_SPLITS
+#define CLUSTER_SPLITS 0   // > 0: a 128-column group's splits are one cluster and sum their partials in shared memory
+#endif
+#if CLUSTER_SPLITS
+#define MMA_CLUSTER __cluster_dims__(1, CLUSTER_SPLITS, 1)
+#else
+#define MMA_CLUSTER
+#endif
+
+// Every block of the cluster has arrived here (its earlier shared-memory writes visible to the others).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
+// 4 fp32 at shared address `local` of cluster block `rank` (the same variable in that block).
+__device__ __forceinline__ float4 load_cluster(u32 local, int rank) {
+    u32 remote;
+    float4 q;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+    asm volatile("ld.shared::cluster.v4.f32 {%0, %1, %2, %3}, [%4];"
+                 : "=f"(q.x), "=f"(q.y), "=f"(q.z), "=f"(q.w) : "r"(remote) : "memory");
+    return q;
+}
+
 // xh [rows, k] fp16 = Hn128(x * suh) blockwise, with the arithmetic of trellis_mma's FUSE_IN staging (same bytes).
 // One warp per (row, 128 inputs); blocks of 4 warps.
 extern "C" __global__ void __launch_bounds__(128)
@@ -25,7 +49,7 @@ rotate_input(const unsigned short* __restrict__ x, int x_bf16, const unsigned sh
     for (int j = 0; j < 4; j++) xh[(size_t)blockIdx.y * k + c + j] = float_to_half(v[j] * INV_SQRT_128);
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32)
+extern "C" __global__ void __launch_bounds__(WARPS * 32) MMA_CLUSTER
 trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned short* __restrict__ suh,
             const u32* __restrict__ words, float* __restrict__ part, const unsigned short* __restrict__ svh,
             const unsigned short* __restrict__ bias, void* __restrict__ out, int out_dtype, int* __restrict__ counters,
@@ -78,6 +102,46 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
 #endif
         if (c0 == kt0) TRACE_MARK(1);
     });
+#if CLUSTER_SPLITS
+    static_assert(BLOCK_COLS == 128, "a cluster's blocks are the splits of one 128-column group");
+    // Block `split` (its cluster rank) sums rows split, split + CLUSTER_SPLITS, ... over the cluster's partials, in
+    // split order (the bytes of reduce_group), and writes them: finish_group over rows strided by the cluster size.
+    __shared__ __align__(16) float red[16 * MT * 128];
+    {
+        const int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++)
+#pragma unroll
+            for (int half = 0; half < 2; half++)
+#pragma unroll
+                for (int nt = 0; nt < NT; nt++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) {
+                        const int r = mt * 16 + g + 8 * half, col = (warp * NT + nt) * 16 + h * 8 + 2 * t4;
+                        *reinterpret_cast<float2*>(red + r * 128 + col) =
+                            make_float2(acc[mt][nt][h][2 * half], acc[mt][nt][h][2 * half + 1]);
+                    }
+    }
+    TRACE_MARK(2);
+    cluster_sync();
+    TRACE_MARK(3);
+    const u32 red_lane = (u32)__cvta_generic_to_shared(red + 4 * lane);
+    const int my_rows = (block_rows - split + CLUSTER_SPLITS - 1) / CLUSTER_SPLITS;
+    const size_t first = (size_t)(m0 + split) * stride_out * (out_dtype == 2 ? 4 : 2);
+    auto sum = [&](float (&v)[4], int i) {
+        const u32 row = red_lane + (u32)((split + i * CLUSTER_SPLITS) * 128 * 4);
+#pragma unroll
+        for (int s = 0; s < CLUSTER_SPLITS; s++) {
+            const float4 q = load_cluster(row, s);
+            v[0] += q.x; v[1] += q.y; v[2] += q.z; v[3] += q.w;
+        }
+    };
+    finish_group<1>(sum, svh, bias, reinterpret_cast<char*>(out) + first, out_dtype, 0, my_rows, group_col,
+                    stride_out * CLUSTER_SPLITS, WARPS);
+    cluster_sync();   // every block's partials stay in its shared memory until the whole cluster has read them
+    TRACE_MARK(4);
+    TRACE_PRINT(0);
+#else
     store_partials(acc, part + ((size_t)split * rows + m0) * n, n, block_rows, jt0);
     TRACE_MARK(2);
 
@@ -93,4 +157,5 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
                                             stride_out, splits, WARPS);
     TRACE_MARK(4);
     TRACE_PRINT(0);
+#endif
 }
