@@ -169,3 +169,17 @@ def test_cluster_reduction_is_opt_in_and_covers_whole_groups_of_two_to_eight_spl
     monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", "1")
     assert [cluster_splits(1, 2, s) for s in (1, 2, 6, MAX_CLUSTER, MAX_CLUSTER + 1)] == [0, 2, 6, MAX_CLUSTER, 0]
     assert cluster_splits(4, 1, 8) == 0, "64-column blocks: a group is two blocks per split"
+
+
+def test_cluster_plans_cap_the_splits_at_the_cluster_size(monkeypatch):
+    from exl3moe.kernels.trellis_mma import MAX_CLUSTER, cluster_splits
+
+    shapes = ((2048, 768), (4096, 1408), (1408, 4096), (14336, 4096), (4096, 14336), (768, 2048))
+    default = {s: plan_mma(*s) for s in shapes}
+    monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", "2")
+    for (k, n), tiles in ((s, plan_mma(*s)) for s in shapes):
+        assert tiles.splits <= MAX_CLUSTER and cluster_splits(1, 2, tiles.splits) == tiles.splits
+        assert (tiles.splits - 1) * tiles.ktiles_per_split < k // 16 <= tiles.splits * tiles.ktiles_per_split
+        assert tiles.ktiles_per_split % (CHUNK_K // 16) == 0
+        if default[(k, n)].splits <= MAX_CLUSTER:
+            assert tiles == default[(k, n)]

@@ -28,6 +28,9 @@ MAX_GRID_Y = 65535
 FUSED_ROTATION_ROWS_SMALL, FUSED_ROTATION_ROWS_LARGE, SMALL_WEIGHT = 16, 4, 1 << 24
 
 
+MAX_CLUSTER = 8  # portable thread-block cluster size
+
+
 @dataclass(frozen=True)
 class MmaTiles:
     splits: int
@@ -44,8 +47,13 @@ def chunk_splits(k: int, busy_warps: int, target_warps: int = TARGET_WARPS) -> t
 
 
 def plan_mma(k: int, n: int, target_warps: int = TARGET_WARPS) -> MmaTiles:
-    """The linear's k split: (n / 32) warps per split (two n16 tiles per warp at few rows)."""
-    return MmaTiles(*chunk_splits(k, n // 32, target_warps))
+    """The linear's k split: (n / 32) warps per split (two n16 tiles per warp at few rows); at most MAX_CLUSTER
+    splits under EXL3MOE_LINEAR_CLUSTER=2, so that every group's splits form one cluster."""
+    tiles = MmaTiles(*chunk_splits(k, n // 32, target_warps))
+    if os.environ.get("EXL3MOE_LINEAR_CLUSTER") == "2" and tiles.splits > MAX_CLUSTER:
+        per_split = -(-(k // CHUNK_K) // MAX_CLUSTER)
+        tiles = MmaTiles(-(-(k // CHUNK_K) // per_split), per_split * CHUNK_K // 16)
+    return tiles
 
 
 def m_tiles(rows: int) -> int:
@@ -93,13 +101,10 @@ def pair_scalar(mt: int) -> int:
     return 3 if mt <= PAIR_SCALAR_MAX_MT else 0
 
 
-MAX_CLUSTER = 8  # portable thread-block cluster size
-
-
 def cluster_splits(mt: int, nt: int, splits: int) -> int:
     """CLUSTER_SPLITS of trellis_mma.cu: the splits of a 128-column group as one cluster that sums its partials in
-    shared memory (EXL3MOE_LINEAR_CLUSTER=1, blocks of 128 columns, 2..8 splits), else 0 (partials through L2)."""
-    on = os.environ.get("EXL3MOE_LINEAR_CLUSTER") == "1"
+    shared memory (EXL3MOE_LINEAR_CLUSTER=1 or 2, blocks of 128 columns, 2..8 splits), else 0 (partials via L2)."""
+    on = os.environ.get("EXL3MOE_LINEAR_CLUSTER") in ("1", "2")
     return splits if on and WARPS * nt * 16 == 128 and 2 <= splits <= MAX_CLUSTER else 0
 
 
