@@ -69,16 +69,17 @@ def linear_params(args):
 
 
 def moe_params(args):
-    for label in args.layers:
-        for tokens in args.tokens:
-            yield label, tokens
+    for shape in args.moe_shapes:
+        for label in args.layers:
+            for tokens in args.tokens:
+                yield shape, label, tokens
 
 
 def cases(args, gen):
     for k, n, K, codebook, rows in linear_params(args):
         yield linear_case(k, n, K, codebook, rows, gen)
-    for label, tokens in moe_params(args):
-        yield moe_case("qwen3-30b-a3b", label, tokens, gen)
+    for shape, label, tokens in moe_params(args):
+        yield moe_case(shape, label, tokens, gen)
     layers = stage_layers("mcg", gen) if args.stages else {}
     for name in args.stages:
         for tokens in args.tokens:
@@ -89,13 +90,14 @@ def note(args):
     """Build every case's plans under every set without a GPU, so warm_cache.py compiles their kernels."""
     import note_variants
     note_variants.pretend_sm90()
-    hidden, inter, E, top_k = SHAPES["qwen3-30b-a3b"]
     for define_set in args.sets:
         use_set(define_set)
         for k, n, K, codebook, rows in linear_params(args):
             LinearPlan(note_variants.weight(k, n, K, codebook), rows)
-        for label, tokens in moe_params(args):
+        for shape, label, tokens in moe_params(args):
+            hidden, inter, E, top_k = SHAPES[shape]
             moe_plan(note_variants.layer(hidden, inter, E, layer_widths(label)), tokens, top_k)
+        hidden, inter, E, top_k = SHAPES["qwen3-30b-a3b"]
         for tokens in args.tokens if args.stages else ():
             moe_plan(note_variants.stage_layer(hidden, inter, E), tokens, top_k)
 
@@ -126,7 +128,8 @@ if __name__ == "__main__":
     ap.add_argument("--codebooks", nargs="+", default=["mcg"])
     ap.add_argument("--rows", nargs="+", type=int, default=[1])
     ap.add_argument("--tokens", nargs="*", type=int, default=[])
-    ap.add_argument("--layers", nargs="*", default=["4"], help="MoE layers (bench/moe.py LAYERS), Qwen3 shape")
+    ap.add_argument("--layers", nargs="*", default=["4"], help="MoE layers (bench/moe.py LAYERS)")
+    ap.add_argument("--moe-shapes", nargs="+", default=["qwen3-30b-a3b"], help="bench/moe.py SHAPES")
     ap.add_argument("--stages", nargs="*", default=[], help="Qwen3 K4 stage layers (bench/moe.py stage_layers)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=4)

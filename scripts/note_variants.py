@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 from moe import LAYERS, SHAPES, TOKENS  # noqa: E402
 
 from exl3moe import EXL3Weight, ExpertSet, ResidualStage  # noqa: E402
-from exl3moe.kernels import moe_mma, nvrtc  # noqa: E402
+from exl3moe.kernels import moe_mma, nvrtc, trellis_mma  # noqa: E402
 from exl3moe.ops import linear as linear_ops  # noqa: E402
 from exl3moe.ops.linear import LinearPlan  # noqa: E402
 from exl3moe.ops.moe import moe_plan  # noqa: E402
@@ -29,6 +29,9 @@ def pretend_sm90() -> None:
         nvrtc.record_variant(file, {**dict(defines), **nvrtc.extra_defines()}, prelude, f"sm_90{arch_suffix}")
         return file, name
     nvrtc.kernel = kernel
+    nvrtc.allow_non_portable_clusters = lambda func: None
+    trellis_mma.clusters_on = lambda device: True
+    trellis_mma._sms = lambda device: 132
     linear_ops.uses_ws = lambda rows, k, n, device: rows >= (32 if k * n < (1 << 24) else 64)
     moe_mma.uses_ws = lambda block_m, device: block_m == 128
     moe_mma._sm_count = lambda device: 132

@@ -193,6 +193,26 @@ def test_linear_launches_match_the_kernel_signatures(launches):
     assert launches[-1][1] == (300, 1, 1), "one warp per (row, 128 columns)"
 
 
+@pytest.mark.parametrize("splits", [2, 11])
+def test_cluster_launch_groups_whole_splits_and_allows_non_portable_sizes(launches, monkeypatch, splits):
+    from exl3moe.kernels import trellis_mma as tm
+
+    defines, allowed = [], []
+    monkeypatch.setattr(tm, "clusters_on", lambda device: True)
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, name, d, index, prelude="", arch_suffix="": (
+        defines.append(dict(d)) or (file, name, prelude)))
+    monkeypatch.setattr(nvrtc, "allow_non_portable_clusters", allowed.append)
+    k, n = 128 * splits, 384
+    w = random_weight(k, n, 2, "mcg")
+    tiles = tm.plan_mma(k, n)
+    assert tiles.splits == splits
+    tm.trellis_mma(torch.randn(1, k).half(), w, torch.empty(splits, 1, n), torch.zeros(64, dtype=torch.int32),
+                   torch.empty(1, n).half(), tiles)
+    check(launches)
+    assert defines[-1]["CLUSTER_SPLITS"] == splits and launches[-1][1] == (n // 128, splits, 1)
+    assert len(allowed) == (splits > tm.PORTABLE_CLUSTER), "only sizes above 8 need the non-portable opt-in"
+
+
 @pytest.mark.parametrize("spb_env, expected_spb", [("", 1), ("3", 3)])
 def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, spb_env, expected_spb):
     from exl3moe.kernels import trellis_mma as tm

@@ -68,6 +68,26 @@ def test_moe_mma_layout_covers_every_projection_and_stage_format():
     assert formats_up_to(4, ("mcg",)) == ((2, 1), (4, 1))
     assert formats_up_to(3, ("mul1", "mcg")) == ((2, 1), (2, 2), (3, 2))
 
+def test_packed_plans_split_for_more_warps_with_gate_up_splits_of_three_chunks_or_more():
+    from types import SimpleNamespace
+
+    from exl3moe.kernels.moe_mma import PACKED_MIN_SPLIT_CHUNKS, moe_mma_layout
+
+    def shape(H, I):
+        w = SimpleNamespace(K=4, codebook="mcg")
+        return SimpleNamespace(num_experts=128, hidden_size=H, intermediate_size=I, gate=[w], up=[w], down=[w])
+
+    qwen3, glm = shape(2048, 768), shape(4096, 1408)
+    splits = lambda e, slots, **kw: (lambda p: (p.gate_up_splits, p.down_splits))(  # noqa: E731
+        moe_mma_layout(e, slots, 16, **kw))
+    assert [splits(qwen3, 8 * T) for T in (4, 8, 16)] == [(6, 3), (4, 2), (2, 1)]
+    assert [splits(glm, 8 * T) for T in (4, 8, 16)] == [(5, 2), (3, 1), (2, 1)]
+    assert splits(qwen3, 8, direct=True) == (8, 6), "one-row direct blocks keep TARGET_WARPS"
+    plan = moe_mma_layout(qwen3, 32, 16)
+    assert plan.gate_up_ktiles == PACKED_MIN_SPLIT_CHUNKS * 8, "not 8 splits of 2 chunks"
+    assert moe_mma_layout(qwen3, 8192, 128).gate_up_splits == 1, "warp-specialized plans keep one split"
+
+
 def test_decode_variants_follow_block_rows_and_format_count():
     from helpers import random_experts
 
@@ -162,24 +182,28 @@ def test_benchmark_copies_cycle_past_the_l2():
     assert copies_for(1 << 30) == 2
 
 
-def test_cluster_reduction_is_opt_in_and_covers_whole_groups_of_two_to_eight_splits(monkeypatch):
-    from exl3moe.kernels.trellis_mma import MAX_CLUSTER, cluster_splits
+def test_clusters_take_small_grids_of_two_to_sixteen_splits_in_128_column_blocks(monkeypatch):
+    from exl3moe.kernels.trellis_mma import CLUSTER_MAX_BLOCKS, MAX_CLUSTER, cluster_splits
 
-    assert cluster_splits(1, 2, 8) == 0, "off unless EXL3MOE_LINEAR_CLUSTER=1"
+    monkeypatch.delenv("EXL3MOE_LINEAR_CLUSTER", raising=False)
+    assert [cluster_splits(2, s, 16) for s in (1, 2, 6, 11, MAX_CLUSTER, MAX_CLUSTER + 1)] == [0, 2, 6, 11, 16, 0]
+    assert cluster_splits(1, 8, 16) == 0, "64-column blocks: a group is two blocks per split"
+    assert cluster_splits(2, 8, CLUSTER_MAX_BLOCKS // 8) == 8
+    assert cluster_splits(2, 8, CLUSTER_MAX_BLOCKS // 8 + 1) == 0, "large grids keep the L2 reduction"
     monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", "1")
-    assert [cluster_splits(1, 2, s) for s in (1, 2, 6, MAX_CLUSTER, MAX_CLUSTER + 1)] == [0, 2, 6, MAX_CLUSTER, 0]
-    assert cluster_splits(4, 1, 8) == 0, "64-column blocks: a group is two blocks per split"
+    assert cluster_splits(2, 8, 4096) == 8 and cluster_splits(2, MAX_CLUSTER + 1, 1) == 0
+    monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", "0")
+    assert cluster_splits(2, 6, 16) == 0
 
 
-def test_cluster_plans_cap_the_splits_at_the_cluster_size(monkeypatch):
-    from exl3moe.kernels.trellis_mma import MAX_CLUSTER, cluster_splits
+def test_one_row_calls_that_fit_one_wave_at_seven_blocks_per_sm_get_registers_for_seven():
+    from exl3moe.kernels.trellis_mma import ONE_WAVE_MIN_BLOCKS, PREFETCH, one_wave_min_blocks
 
-    shapes = ((2048, 768), (4096, 1408), (1408, 4096), (14336, 4096), (4096, 14336), (768, 2048))
-    default = {s: plan_mma(*s) for s in shapes}
-    monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", "2")
-    for (k, n), tiles in ((s, plan_mma(*s)) for s in shapes):
-        assert tiles.splits <= MAX_CLUSTER and cluster_splits(1, 2, tiles.splits) == tiles.splits
-        assert (tiles.splits - 1) * tiles.ktiles_per_split < k // 16 <= tiles.splits * tiles.ktiles_per_split
-        assert tiles.ktiles_per_split % (CHUNK_K // 16) == 0
-        if default[(k, n)].splits <= MAX_CLUSTER:
-            assert tiles == default[(k, n)]
+    sms = 132
+    tiles = plan_mma(4096, 14336)
+    blocks = 14336 // 128 * tiles.splits
+    assert one_wave_min_blocks(True, PREFETCH, blocks, sms) == ONE_WAVE_MIN_BLOCKS, "896 blocks: 6.8 per SM"
+    assert one_wave_min_blocks(False, PREFETCH, blocks, sms) == 0, "pre-rotated rows keep ptxas's choice"
+    assert one_wave_min_blocks(True, 8, blocks, sms) == 0, "the whole-split prefetch needs its registers"
+    assert one_wave_min_blocks(True, PREFETCH, 6 * sms, sms) == 0, "fits one wave at 6 per SM already"
+    assert one_wave_min_blocks(True, PREFETCH, 7 * sms + 1, sms) == 0, "two waves either way"

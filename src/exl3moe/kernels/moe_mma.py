@@ -35,6 +35,8 @@ DIRECT_MAX_SLOTS, DIRECT_MAX_SLOTS_MIXED = 16, 8
 ROTATE_ROWS = 8  # rows per moe_rotate_input block (the kernel's constant)
 # Warps wanted in flight at the plan's largest call: below this the k range of gate/up and down is split.
 TARGET_WARPS = 4096
+# Packed 16- and 32-row route blocks want more (finer waves), with gate/up splits of at least 3 chunks.
+PACKED_GATE_UP_TARGET_WARPS, PACKED_DOWN_TARGET_WARPS, PACKED_MIN_SPLIT_CHUNKS = 12288, 8192, 3
 
 
 @dataclass(frozen=True)
@@ -113,8 +115,14 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
     fmt = projection_formats(experts)
     warps = warps_for(block_m)
     busy = max(min(E, max_slots), -(-max_slots // block_m))  # route blocks of a full call
-    gu_splits, gu_ktiles = chunk_splits(H, busy * (I // 128) * 2 * warps, TARGET_WARPS)
-    d_splits, d_ktiles = chunk_splits(I, busy * (H // 128) * warps, TARGET_WARPS)
+    packed = not direct and block_m <= 32
+    gu_splits, gu_ktiles = chunk_splits(H, busy * (I // 128) * 2 * warps,
+                                        PACKED_GATE_UP_TARGET_WARPS if packed else TARGET_WARPS)
+    if packed and gu_ktiles < PACKED_MIN_SPLIT_CHUNKS * CHUNK_KTILES:
+        per_split = min(PACKED_MIN_SPLIT_CHUNKS, H // CHUNK_K)
+        gu_splits, gu_ktiles = -(-(H // CHUNK_K) // per_split), per_split * CHUNK_KTILES
+    d_splits, d_ktiles = chunk_splits(I, busy * (H // 128) * warps,
+                                      PACKED_DOWN_TARGET_WARPS if packed else TARGET_WARPS)
     return MoeMmaPlan(block_m, warps, tuple(sorted(set(fmt[0] + fmt[1]))), tuple(sorted(set(fmt[2]))),
                       tuple(stage_formats), gu_splits, gu_ktiles, d_splits, d_ktiles, pre_rotates(block_m),
                       direct, small_call=max_slots <= SMALL_CALL_SLOTS)

@@ -194,6 +194,17 @@ def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str
 
 _DEFAULT_SHARED_LIMIT = 48 * 1024
 _shared_limits: dict = {}
+_non_portable: set = set()
+
+
+def allow_non_portable_clusters(func) -> None:
+    """Let `func` launch with thread-block clusters above the portable 8 blocks (sm_90: up to 16); once per
+    function."""
+    if int(func) not in _non_portable:
+        driver, _ = _bindings()
+        attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+        _check(driver.cuFuncSetAttribute(func, attribute, 1), "cuFuncSetAttribute")
+        _non_portable.add(int(func))
 
 
 def launch(func, grid: tuple, block: int, args: list, shared: int = 0) -> None:

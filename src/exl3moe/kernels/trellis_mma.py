@@ -2,8 +2,9 @@
 
 For few rows the kernel also rotates x (fuses_rotation); above, x comes rotated (fp16) from rotate_input.
 Splits write fp32 partials and the last block of each 128-column group reduces them in split order and
-applies the output Hadamard, svh and bias. The k split depends on (k, n) only, so a row's bytes never depend on the
-batch.
+applies the output Hadamard, svh and bias; in small grids on sm_90 the group's splits form one thread-block cluster
+and sum from each other's shared memory instead, in the same order. The k split depends on (k, n) only, so a row's
+bytes never depend on the batch.
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ MAX_GRID_Y = 65535
 FUSED_ROTATION_ROWS_SMALL, FUSED_ROTATION_ROWS_LARGE, SMALL_WEIGHT = 16, 4, 1 << 24
 
 
-MAX_CLUSTER = 8  # portable thread-block cluster size
+PORTABLE_CLUSTER, MAX_CLUSTER = 8, 16  # thread-block clusters of sm_90: above 8 blocks a non-portable size
+# Grids up to this many blocks sum their splits in a cluster; larger ones keep the L2 reduction (co-scheduling a
+# cluster's blocks costs more there than the reduction saves).
+CLUSTER_MAX_BLOCKS = 384
+ONE_WAVE_MIN_BLOCKS = 7
 
 
 @dataclass(frozen=True)
@@ -47,13 +52,8 @@ def chunk_splits(k: int, busy_warps: int, target_warps: int = TARGET_WARPS) -> t
 
 
 def plan_mma(k: int, n: int, target_warps: int = TARGET_WARPS) -> MmaTiles:
-    """The linear's k split: (n / 32) warps per split (two n16 tiles per warp at few rows); at most MAX_CLUSTER
-    splits under EXL3MOE_LINEAR_CLUSTER=2, so that every group's splits form one cluster."""
-    tiles = MmaTiles(*chunk_splits(k, n // 32, target_warps))
-    if os.environ.get("EXL3MOE_LINEAR_CLUSTER") == "2" and tiles.splits > MAX_CLUSTER:
-        per_split = -(-(k // CHUNK_K) // MAX_CLUSTER)
-        tiles = MmaTiles(-(-(k // CHUNK_K) // per_split), per_split * CHUNK_K // 16)
-    return tiles
+    """The linear's k split: (n / 32) warps per split (two n16 tiles per warp at few rows)."""
+    return MmaTiles(*chunk_splits(k, n // 32, target_warps))
 
 
 def m_tiles(rows: int) -> int:
@@ -101,21 +101,52 @@ def pair_scalar(mt: int) -> int:
     return 3 if mt <= PAIR_SCALAR_MAX_MT else 0
 
 
-def cluster_splits(mt: int, nt: int, splits: int) -> int:
-    """CLUSTER_SPLITS of trellis_mma.cu: the splits of a 128-column group as one cluster that sums its partials in
-    shared memory (EXL3MOE_LINEAR_CLUSTER=1 or 2, blocks of 128 columns, 2..8 splits), else 0 (partials via L2)."""
-    on = os.environ.get("EXL3MOE_LINEAR_CLUSTER") in ("1", "2")
-    return splits if on and WARPS * nt * 16 == 128 and 2 <= splits <= MAX_CLUSTER else 0
+def cluster_splits(nt: int, splits: int, groups: int, capable: bool = True) -> int:
+    """CLUSTER_SPLITS of trellis_mma.cu: the splits of each of `groups` 128-column groups as one cluster that sums
+    their partials in shared memory (blocks of 128 columns, 2..MAX_CLUSTER splits, grids of at most
+    CLUSTER_MAX_BLOCKS blocks), else 0 (partials via L2); both give the same bytes. EXL3MOE_LINEAR_CLUSTER=0 never
+    clusters, =1 wherever the splits fit one cluster. capable: the device has clusters (clusters_on)."""
+    mode = os.environ.get("EXL3MOE_LINEAR_CLUSTER")
+    if mode == "0" or not capable or WARPS * nt * 16 != 128 or not 2 <= splits <= MAX_CLUSTER:
+        return 0
+    return splits if mode == "1" or groups * splits <= CLUSTER_MAX_BLOCKS else 0
+
+
+def clusters_on(device: torch.device) -> bool:
+    """Thread-block clusters exist from sm_90."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def one_wave_min_blocks(fuse_in: bool, prefetch: int, blocks: int, sms: int) -> int:
+    """MIN_BLOCKS of trellis_mma.cu: a few-row call that rotates x itself (PF PREFETCH) with more than
+    ONE_WAVE_MIN_BLOCKS - 1 and at most ONE_WAVE_MIN_BLOCKS blocks per SM gets registers for that many, so that it
+    runs in one wave (ptxas gives some formats 80 registers: 6 per SM); 0 (no bound) otherwise."""
+    fits = (ONE_WAVE_MIN_BLOCKS - 1) * sms < blocks <= ONE_WAVE_MIN_BLOCKS * sms
+    return ONE_WAVE_MIN_BLOCKS if fuse_in and prefetch == PREFETCH and fits else 0
+
+
+def _sms(device: torch.device) -> int:
+    return _sm_count(device.index or 0) if device.type == "cuda" else 0
+
+
+def launch_bounds(nt: int, fuse_in: bool, prefetch: int, splits: int, groups: int, device: torch.device) -> tuple:
+    """(CLUSTER_SPLITS, MIN_BLOCKS) of a trellis_mma call of one row block: `groups` column blocks x `splits`."""
+    cluster = cluster_splits(nt, splits, groups, clusters_on(device))
+    return cluster, one_wave_min_blocks(fuse_in, prefetch, groups * splits, _sms(device))
 
 
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
-               nt: int | None = None, cluster: int = 0):
+               nt: int | None = None, cluster: int = 0, min_blocks: int = 0):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
     nt = nt or (2 if mt <= 2 else 1)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
                ("WARPS", WARPS), ("FUSE_IN", int(fuse_in)), ("PAIR_SCALAR", pair_scalar(mt)))
     defines += (("CLUSTER_SPLITS", cluster),) if cluster else ()
-    return nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0), nt
+    defines += (("MIN_BLOCKS", min_blocks),) if min_blocks else ()
+    func = nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0)
+    if cluster > PORTABLE_CLUSTER:
+        nvrtc.allow_non_portable_clusters(func)
+    return func, nt
 
 
 DENSE_KTILES = 4  # k-tiles per warp of trellis_dense, their words all loaded before the first decode
@@ -240,8 +271,9 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
         _launch_ws(x, w, partials, counters, out, tiles)
         return out
     nt = nt or (2 if mt <= 2 else 1)
-    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, fuse_in, prefetch, nt, cluster_splits(mt, nt, tiles.splits))
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
+    bounds = launch_bounds(nt, fuse_in, prefetch, tiles.splits, grid[0], x.device) if grid[2] == 1 else (0, 0)
+    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, fuse_in, prefetch, nt, *bounds)
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,
                                           out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16, tiles_n, k // 16,
                                           tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits])

@@ -13,8 +13,8 @@ from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
-from ..kernels.trellis_mma import (cluster_splits, counter_count, decode_dense, dense_epilogue, dense_kernel,
-                                   fuses_rotation, mma_kernel, plan_mma, prefetch_for, rotate_input, rotate_kernel,
+from ..kernels.trellis_mma import (WARPS, counter_count, decode_dense, dense_epilogue, dense_kernel, fuses_rotation,
+                                   launch_bounds, mma_kernel, plan_mma, prefetch_for, rotate_input, rotate_kernel,
                                    trellis_mma, uses_ws, variant_for, ws_kernel)
 
 MAX_FUSED_ROWS = 128
@@ -125,8 +125,8 @@ class LinearPlan:
             for mt, fuse_in, prefetch in {variant_for(rows, k, n) + (prefetch_for(rows, k, n, w.K, self.mma),)
                                           for rows in fused_rows}:
                 nt = 2 if mt <= 2 else 1
-                cluster = cluster_splits(mt, nt, self.mma.splits)
-                mma_kernel(w.K, w.codebook, mt, w.device, fuse_in, prefetch, nt, cluster)
+                bounds = launch_bounds(nt, fuse_in, prefetch, self.mma.splits, n // (16 * WARPS * nt), w.device)
+                mma_kernel(w.K, w.codebook, mt, w.device, fuse_in, prefetch, nt, *bounds)
             if any(uses_ws(rows, k, n, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
                 ws_kernel(w.K, w.codebook, w.device)
             if not fuses_rotation(max_rows, k, n):

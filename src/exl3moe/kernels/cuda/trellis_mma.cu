@@ -2,13 +2,17 @@
 // Compile-time parameters (-D): K2 = 2K, CB (0 3inst, 1 mcg, 2 mul1), MT m16 tiles per block, NT n16 tiles per
 // warp, PF k-tiles of trellis words prefetched per warp, WARPS warps per block, FUSE_IN (rotate x here).
 // Each block writes part[split, row, col] (fp32, its k range); the last block of a 128-column group to arrive
-// sums the splits in order and applies the output Hadamard, svh and bias: out = Hn(sum) * svh + bias.
+// sums the splits in order and applies the output Hadamard, svh and bias: out = Hn(sum) * svh + bias. With
+// CLUSTER_SPLITS the group's splits are one cluster: the same sums, from each block's shared memory.
 #include "trellis_core.cuh"
 
 using T = Trellis<K2, CB>;
 
+#ifndef MIN_BLOCKS
+#define MIN_BLOCKS 0   // blocks per SM that ptxas must fit the registers for
+#endif
 #ifndef CLUSTER_SPLITS
-#define CLUSTER_SPLITS 0   // > 0: a 128-column group's splits are one cluster and sum their partials in shared memory
+#define CLUSTER_SPLITS 0   // > 0: the splits of a 128-column group, one cluster (2..16 blocks)
 #endif
 #if CLUSTER_SPLITS
 #define MMA_CLUSTER __cluster_dims__(1, CLUSTER_SPLITS, 1)
@@ -49,7 +53,7 @@ rotate_input(const unsigned short* __restrict__ x, int x_bf16, const unsigned sh
     for (int j = 0; j < 4; j++) xh[(size_t)blockIdx.y * k + c + j] = float_to_half(v[j] * INV_SQRT_128);
 }
 
-extern "C" __global__ void __launch_bounds__(WARPS * 32) MMA_CLUSTER
+extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) MMA_CLUSTER
 trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned short* __restrict__ suh,
             const u32* __restrict__ words, float* __restrict__ part, const unsigned short* __restrict__ svh,
             const unsigned short* __restrict__ bias, void* __restrict__ out, int out_dtype, int* __restrict__ counters,
