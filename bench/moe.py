@@ -14,9 +14,9 @@ LAYERS = {2: [2], 3: [3], 4: [4], 5: [5], 6: [6],  # 5: the uniform layer of mix
           "mixed-k3k4": [3, 4], "mixed-k2k8": [2, 3, 4, 5, 6, 7, 8]}
 TOKENS = [1, 4, 16, 64, 256, 1024, 4096]
 RESULT_KEY = ("shape", "K", "codebook", "tokens", "stages", "shared")  # what a --merge rerun replaces
-# Distinct routings per timed graph, so a replay does not find the previous calls' experts in L2: below 16 tokens a
-# call reads few experts, so more calls keep the graph's footprint above the 60 MB L2.
-CALLS, SMALL_CALLS, SMALL_TOKENS = 4, 16, 16
+# Distinct routings per timed graph, so a replay does not find the previous calls' experts in L2: below 32 tokens a
+# call reads few experts, so more calls keep the graph's footprint above the L2 and average over more routings.
+CALLS, SMALL_CALLS, SMALL_TOKENS = 4, 16, 32
 
 
 def random_weight(k, n, K, codebook, gen):

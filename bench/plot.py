@@ -89,7 +89,8 @@ def moe_table(doc):
     """K4 rows; the bf16 GEMMs-only column (bench/moe.py's bf16_gemm_us) where the run measured it."""
     out = ["| shape | K | tokens | exl3moe us | bf16 whole layer us | bf16 GEMMs only us | exllamav3 K4 us |",
            "|---|---|---|---|---|---|---|"]
-    for r in doc["results"]:
+    shapes = list(EXL3_MOE)
+    for r in sorted(doc["results"], key=lambda r: (shapes.index(r["shape"]), r["tokens"])):
         if r["K"] == 4 and "stages" not in r and "shared" not in r:
             out.append(f"| {r['shape']} | 4 | {r['tokens']} | {r['us']} | {r['bf16_us']} | {r.get('bf16_gemm_us', '')} "
                        f"| {EXL3_MOE[r['shape']].get(r['tokens'], 'n/a')} |")
