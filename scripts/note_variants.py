@@ -31,10 +31,9 @@ def pretend_sm90() -> None:
     nvrtc.kernel = kernel
     nvrtc.allow_non_portable_clusters = lambda func: None
     trellis_mma.clusters_on = lambda device: True
-    trellis_mma._sms = lambda device: 132
     linear_ops.uses_ws = lambda rows, k, n, device: rows >= (32 if k * n < (1 << 24) else 64)
     moe_mma.uses_ws = lambda block_m, device: block_m == 128
-    moe_mma._sm_count = lambda device: 132
+    nvrtc.sm_count = lambda device: 132
 
 
 @functools.lru_cache(maxsize=None)

@@ -36,7 +36,7 @@ def launches(monkeypatch):
     recorded."""
     recorded = []
     monkeypatch.setattr(nvrtc, "available", lambda device: True)
-    monkeypatch.setattr(moe_mma, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(nvrtc, "sm_count", lambda device: 132)
     monkeypatch.setattr(nvrtc, "kernel",
                         lambda file, name, defines, index, prelude="", arch_suffix="": (file, name, prelude))
     monkeypatch.setattr(nvrtc, "launch",
@@ -104,7 +104,7 @@ def test_one_row_gate_up_of_many_mainloops_is_bounded_only_when_a_call_fits_one_
     g = torch.Generator().manual_seed(4)
     mixed = random_experts(8, 256, 256, K=[3, 4] * 4, codebook="mcg", generator=g)
     uniform = random_experts(8, 256, 256, K=4, codebook="mcg", generator=g)
-    monkeypatch.setattr(moe_mma, "_sm_count", lambda device: 3)   # 21 blocks in flight: one token's 16, not four's
+    monkeypatch.setattr(nvrtc, "sm_count", lambda device: 3)   # 21 blocks in flight: one token's 16, not four's
     for experts, T, bounded in ((mixed, 1, True), (mixed, 4, False), (uniform, 1, False)):
         mma = moe_plan(experts, T, 2).mma
         blocks = T * 2 * (2 * 256 // 128) * mma.gate_up_splits
@@ -120,7 +120,7 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
     """128-row plans on sm_90: gate/up on trellis_ws.cuh; single-split plans take the persistent down (and gate/up,
     when opted in) over one block per SM, with the shared memory their kernels need."""
     monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
-    monkeypatch.setattr(moe_mma, "_sm_count", lambda device: 5)
+    monkeypatch.setattr(nvrtc, "sm_count", lambda device: 5)
     monkeypatch.setenv("EXL3MOE_MOE_WS_GATE_UP", persistent_gate_up)
     if single_split:
         monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
@@ -218,7 +218,7 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
     from exl3moe.kernels import trellis_mma as tm
 
     monkeypatch.setenv("EXL3MOE_WS_SPB", spb_env)
-    monkeypatch.setattr(tm, "_sm_count", lambda index: 132)
+    monkeypatch.setattr(nvrtc, "sm_count", lambda device: 132)
     w = random_weight(4096, 14336 // 8, 4, "mcg")  # 14 column blocks: 9 split groups fit in one wave
     tiles = tm.MmaTiles(8, 32)
     x = torch.randn(100, 4096).half()
@@ -258,3 +258,7 @@ def test_mixed_kernels_of_small_calls_compile_the_smallest_mainloops(slots, mixe
         defines = dict(kernel_source(plan, name)[0])
         assert (defines["PF"], defines["KTILE_UNROLL"]) == expected, name
         assert defines["KTILE_UNROLL"] % defines["PF"] == 0
+
+
+def test_sm_count_is_zero_off_cuda():
+    assert nvrtc.sm_count(torch.device("cpu")) == 0

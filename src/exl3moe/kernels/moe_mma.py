@@ -8,7 +8,6 @@ Splits come from the plan's shape (max slots, E, H, I), never from the data, so 
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, replace
 
@@ -160,7 +159,7 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
     blocks = max_slots * (2 * experts.intermediate_size // 128) * plan.gate_up_splits
     plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0",
-                   one_wave=direct and blocks <= DIRECT_GATE_UP_MIN_BLOCKS * _sm_count(experts.device))
+                   one_wave=direct and blocks <= DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device))
     if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
         plan = replace(plan, ws=True,
                        ws_gate_up=plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1",
@@ -275,7 +274,8 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     limit = float(tables.limit) if tables.limit is not None else 0.0
     if plan.ws_gate_up:
-        nvrtc.launch(plan.gate_up_kernel, (min(grid_blocks * (I // 128), _sm_count(hidden.device)), 1, 1), WS_THREADS,
+        nvrtc.launch(plan.gate_up_kernel, (min(grid_blocks * (I // 128), nvrtc.sm_count(hidden.device)), 1, 1),
+                     WS_THREADS,
                      [block_expert, block_start, offsets, tables.trellis_addr, tables.suh_addr, tables.svh_addr,
                       tables.k2, tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, capacity, h_rot,
                       ACTIVATIONS[tables.activation], int(tables.limit is not None), limit, x_rot, grid_blocks],
@@ -289,11 +289,6 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
                   counters, plan.gate_up_ktiles, plan.gate_up_splits, ACTIVATIONS[tables.activation],
                   int(tables.limit is not None), limit, x_rot, ids_64],
                  shared=ws_shared_bytes(plan, "moe_gate_up_mma") if plan.ws else 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -310,7 +305,7 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     if plan.ws_down:
-        nvrtc.launch(plan.down_kernel, (min(grid_blocks * (H // 128), _sm_count(h_rot.device)), 1, 1), WS_THREADS,
+        nvrtc.launch(plan.down_kernel, (min(grid_blocks * (H // 128), nvrtc.sm_count(h_rot.device)), 1, 1), WS_THREADS,
                      [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr,
                       tables.svh_addr, tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I,
                       grid_blocks], shared=ws_shared_bytes(plan, "moe_down_ws"))

@@ -192,6 +192,17 @@ def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str
     return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
 
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (0 for any other device)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 0
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 _DEFAULT_SHARED_LIMIT = 48 * 1024
 _shared_limits: dict = {}
 _non_portable: set = set()

@@ -9,7 +9,6 @@ bytes never depend on the batch.
 
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass
 
@@ -125,14 +124,10 @@ def one_wave_min_blocks(fuse_in: bool, prefetch: int, blocks: int, sms: int) -> 
     return ONE_WAVE_MIN_BLOCKS if fuse_in and prefetch == PREFETCH and fits else 0
 
 
-def _sms(device: torch.device) -> int:
-    return _sm_count(device.index or 0) if device.type == "cuda" else 0
-
-
 def launch_bounds(nt: int, fuse_in: bool, prefetch: int, splits: int, groups: int, device: torch.device) -> tuple:
     """(CLUSTER_SPLITS, MIN_BLOCKS) of a trellis_mma call of one row block: `groups` column blocks x `splits`."""
     cluster = cluster_splits(nt, splits, groups, clusters_on(device))
-    return cluster, one_wave_min_blocks(fuse_in, prefetch, groups * splits, _sms(device))
+    return cluster, one_wave_min_blocks(fuse_in, prefetch, groups * splits, nvrtc.sm_count(device))
 
 
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
@@ -229,11 +224,6 @@ def ws_kernel(K: float, codebook: str, device: torch.device):
     return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0, arch_suffix="a")
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def ws_splits_per_block(splits: int, col_blocks: int, sms: int) -> int:
     """Consecutive splits per trellis_ws block: as many as keep the blocks of one row block within one wave."""
     override = int(os.environ.get("EXL3MOE_WS_SPB") or 0)
@@ -246,7 +236,7 @@ def ws_splits_per_block(splits: int, col_blocks: int, sms: int) -> int:
 def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
     rows, k = x.shape
     tiles_n = w.trellis.shape[1]
-    spb = ws_splits_per_block(tiles.splits, tiles_n // 8, _sm_count(x.device.index or 0))
+    spb = ws_splits_per_block(tiles.splits, tiles_n // 8, nvrtc.sm_count(x.device))
     grid = (tiles_n // 8, -(-tiles.splits // spb), -(-rows // 128))
     nvrtc.launch(ws_kernel(w.K, w.codebook, x.device), grid, WS_THREADS,
                  [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
