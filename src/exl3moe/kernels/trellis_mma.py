@@ -55,6 +55,11 @@ def plan_mma(k: int, n: int, target_warps: int = TARGET_WARPS) -> MmaTiles:
     return MmaTiles(*chunk_splits(k, n // 32, target_warps))
 
 
+def tiles_per_warp(mt: int) -> int:
+    """n16 tiles per warp in blocks of mt m16 tiles: two (128-column blocks) up to 2, one above."""
+    return 2 if mt <= 2 else 1
+
+
 def m_tiles(rows: int) -> int:
     """m16 tiles per block: 1, 2, 4 or 8 (up to 128 rows)."""
     mt = 1
@@ -89,7 +94,7 @@ def prefetch_for(rows: int, k: int, n: int, K: float, tiles: MmaTiles | None = N
     per tile) and the grid is small enough for the extra registers (a few blocks per SM); PREFETCH otherwise. tiles:
     the call's split, plan_mma(k, n) when not given."""
     tiles, mt = tiles or plan_mma(k, n), m_tiles(rows)
-    blocks = n // (16 * WARPS * (2 if mt <= 2 else 1)) * tiles.splits
+    blocks = n // (16 * WARPS * tiles_per_warp(mt)) * tiles.splits
     whole = tiles.ktiles_per_split == WHOLE_SPLIT_PREFETCH and mt == 1 and words_per_lane(K) <= 2
     return WHOLE_SPLIT_PREFETCH if whole and blocks <= WHOLE_SPLIT_MAX_BLOCKS else PREFETCH
 
@@ -130,10 +135,19 @@ def launch_bounds(nt: int, fuse_in: bool, prefetch: int, splits: int, groups: in
     return cluster, one_wave_min_blocks(fuse_in, prefetch, groups * splits, nvrtc.sm_count(device))
 
 
+def call_kernel(w, mt: int, fuse_in: bool, prefetch: int, tiles: MmaTiles, device: torch.device,
+                nt: int | None = None, row_blocks: int = 1) -> tuple:
+    """(CUfunction, nt) that a trellis_mma call of this variant launches, with its launch bounds (one row block)."""
+    nt = nt or tiles_per_warp(mt)
+    groups = w.trellis.shape[1] // (WARPS * nt)
+    bounds = launch_bounds(nt, fuse_in, prefetch, tiles.splits, groups, device) if row_blocks == 1 else (0, 0)
+    return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds)
+
+
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
                nt: int | None = None, cluster: int = 0, min_blocks: int = 0):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
-    nt = nt or (2 if mt <= 2 else 1)
+    nt = nt or tiles_per_warp(mt)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
                ("WARPS", WARPS), ("FUSE_IN", int(fuse_in)), ("PAIR_SCALAR", pair_scalar(mt)))
     defines += (("CLUSTER_SPLITS", cluster),) if cluster else ()
@@ -260,10 +274,8 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     if planned and not fuse_in and uses_ws(rows, k, tiles_n * 16, x.device):
         _launch_ws(x, w, partials, counters, out, tiles)
         return out
-    nt = nt or (2 if mt <= 2 else 1)
+    func, nt = call_kernel(w, mt, fuse_in, prefetch, tiles, x.device, nt, -(-rows // (16 * mt)))
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
-    bounds = launch_bounds(nt, fuse_in, prefetch, tiles.splits, grid[0], x.device) if grid[2] == 1 else (0, 0)
-    func, nt = mma_kernel(w.K, w.codebook, mt, x.device, fuse_in, prefetch, nt, *bounds)
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,
                                           out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16, tiles_n, k // 16,
                                           tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits])

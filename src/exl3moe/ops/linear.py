@@ -13,9 +13,9 @@ from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
-from ..kernels.trellis_mma import (WARPS, counter_count, decode_dense, dense_epilogue, dense_kernel, fuses_rotation,
-                                   launch_bounds, mma_kernel, plan_mma, prefetch_for, rotate_input, rotate_kernel,
-                                   trellis_mma, uses_ws, variant_for, ws_kernel)
+from ..kernels.trellis_mma import (call_kernel, counter_count, decode_dense, dense_epilogue, dense_kernel,
+                                   fuses_rotation, plan_mma, prefetch_for, rotate_input, rotate_kernel, trellis_mma,
+                                   uses_ws, variant_for, ws_kernel)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -124,9 +124,7 @@ class LinearPlan:
             fused_rows = range(1, min(max_rows, MAX_FUSED_ROWS) + 1)
             for mt, fuse_in, prefetch in {variant_for(rows, k, n) + (prefetch_for(rows, k, n, w.K, self.mma),)
                                           for rows in fused_rows}:
-                nt = 2 if mt <= 2 else 1
-                bounds = launch_bounds(nt, fuse_in, prefetch, self.mma.splits, n // (16 * WARPS * nt), w.device)
-                mma_kernel(w.K, w.codebook, mt, w.device, fuse_in, prefetch, nt, *bounds)
+                call_kernel(w, mt, fuse_in, prefetch, self.mma, w.device)
             if any(uses_ws(rows, k, n, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
                 ws_kernel(w.K, w.codebook, w.device)
             if not fuses_rotation(max_rows, k, n):
