@@ -26,4 +26,12 @@ b = experts(16, 512, 384, [4, 3, 2.5], ["mcg", "3inst", "mul1"], "gelu", 6.0)
 stages = [ResidualStage(res(b.gate, 2, "mcg"), res(b.up, 2, "mcg"), res(b.down, 2, "mcg"), torch.zeros(16, 3)),
           ResidualStage(res(b.gate, 1.5, "mul1"), None, res(b.down, 3, "3inst"), torch.zeros(16, 3))]
 moe_plan(ExpertSet(b.gate, b.up, b.down, "gelu", limit=6.0, stages=stages), 70, 4, block_m=128, out_dtype=torch.float16)
+import os
+u = experts(16, 512, 384, [4], ["mcg"])
+ust = [ResidualStage(res(u.gate, 2, "mcg"), res(u.up, 2, "mcg"), res(u.down, 2, "mcg"), torch.zeros(16, 3)),
+       ResidualStage(res(u.gate, 1, "mcg"), None, res(u.down, 1, "mcg"), torch.zeros(16, 3))]
+for union in ("1", "0"):   # the union-stage test, both ways
+    os.environ["EXL3MOE_MOE_UNION_STAGES"] = union
+    moe_plan(ExpertSet(u.gate, u.up, u.down, "silu", stages=ust), 20, 4, out_dtype=torch.float16)
+os.environ.pop("EXL3MOE_MOE_UNION_STAGES")
 print("noted")

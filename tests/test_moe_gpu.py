@@ -226,6 +226,39 @@ def test_cuda_experts_with_gelu_clamp_bias_and_stages_match_float64():
         assert rel_l2(out, ref) < 2e-3, (T, block_m, rel_l2(out, ref))
 
 
+def test_union_stage_passes_give_the_bytes_of_separate_switches(monkeypatch):
+    """Packed 16-row kernels that run the base and the stages through one switch (UNION_STAGES: a K4 base, K1 and
+    K2 MCG stages, one sparse): the bytes of the kernels with a switch each, and within 2e-3 of float64."""
+    from exl3moe import ResidualStage
+    from exl3moe.kernels.moe_mma import union_stages
+    E, H, I, top_k, T = 16, 512, 384, 4, 20
+    g = torch.Generator(device="cuda").manual_seed(60)
+    base = random_experts(E, H, I, [4], ["mcg"], seed=61)
+
+    def residuals(ws, K):
+        return [EXL3Weight(torch.randint(-32768, 32768, w.trellis.shape[:2] + (int(16 * K),), dtype=torch.int32,
+                                         device="cuda", generator=g).to(torch.int16), w.suh, w.svh, "mcg") for w in ws]
+
+    sparse = torch.rand(E, 3, device="cuda", generator=g) * 0.2
+    sparse[::3] = 0.0
+    stages = [ResidualStage(residuals(base.gate, 2), residuals(base.up, 2), residuals(base.down, 2), sparse),
+              ResidualStage(residuals(base.gate, 1), None, residuals(base.down, 1),
+                            torch.rand(E, 3, device="cuda", generator=g) * 0.1)]
+    layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=stages)
+    x = (torch.randn(T, H, device="cuda", generator=g) / 4).half()
+    ids, weights = routing(T, E, top_k, 62)
+    outs = {}
+    for union in ("1", "0"):
+        monkeypatch.setenv("EXL3MOE_MOE_UNION_STAGES", union)
+        plan = moe_plan(layer, T, top_k, out_dtype=torch.float16)
+        assert plan.mma is not None and plan.block_m == 16 and not plan.mma.direct
+        assert union_stages(plan.mma) == (union == "1")
+        outs[union] = torch.empty(T, H, device="cuda", dtype=torch.float16)
+        plan.bind(plan.allocate()).run(x, ids, weights, outs[union])
+    assert torch.equal(bits(outs["1"]), bits(outs["0"]))
+    assert rel_l2(outs["1"], moe(x, layer, ids, weights)) < 2e-3
+
+
 def test_direct_route_small_calls(qwen3_layer, monkeypatch):
     """A direct plan (raised here to 64 slots) skips the route pack and combines in down: float64 agreement with a
     shared expert and remote ids, fp16 / bf16 / fp32 output, batch invariance inside the plan, and graph replay."""

@@ -88,6 +88,26 @@ def test_packed_plans_split_for_more_warps_with_gate_up_splits_of_three_chunks_o
     assert moe_mma_layout(qwen3, 8192, 128).gate_up_splits == 1, "warp-specialized plans keep one split"
 
 
+def test_stage_plans_of_few_formats_run_base_and_stages_through_one_switch(monkeypatch):
+    from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, union_stages
+
+    plan = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((2, 1), (4, 1)), 2, 64, 1, 48, False)
+    assert union_stages(plan)
+    for name, macro in (("moe_gate_up_mma", "DISPATCH_GATE_UP"), ("moe_down_mma", "DISPATCH_DOWN")):
+        defines, prelude = kernel_source(plan, name)
+        assert dict(defines)["UNION_STAGES"] == 1
+        line = next(t for t in prelude.splitlines() if t.startswith(f"#define {macro}("))
+        assert all(f"mma_mainloop<{k2}, 1," in line for k2 in (2, 4, 8))
+        assert prelude.count("mma_mainloop") == 3, "each format once, no separate stage switch"
+    assert not union_stages(MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), (), 2, 64, 1, 48, False)), "no stages"
+    many = MoeMmaPlan(16, 4, ((6, 1), (8, 1)), ((6, 1), (8, 1)), ((2, 1), (4, 1)), 2, 64, 1, 48, False)
+    assert not union_stages(many), "four formats: a switch each"
+    assert not union_stages(MoeMmaPlan(32, 4, ((8, 1),), ((8, 1),), ((2, 1), (4, 1)), 2, 64, 1, 48, False))
+    assert not union_stages(MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((2, 1), (4, 1)), 8, 16, 6, 8, False, True))
+    monkeypatch.setenv("EXL3MOE_MOE_UNION_STAGES", "0")
+    assert not union_stages(plan) and "UNION_STAGES" not in dict(kernel_source(plan, "moe_down_mma")[0])
+
+
 def test_decode_variants_follow_block_rows_and_format_count():
     from helpers import random_experts
 

@@ -215,20 +215,37 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
         return defines, prelude
     mt, nt = plan.block_m // 16, 8 // plan.warps
     empty = ()
-    prelude = "".join([
-        _dispatch("DISPATCH_GATE_UP", plan.gate_up_formats if gate_up else empty, mt, nt),
-        _dispatch("STAGE_DISPATCH_GATE_UP", plan.stage_formats if gate_up else empty, mt, nt),
-        _dispatch("DISPATCH_DOWN", empty if gate_up else plan.down_formats, mt, nt),
-        _dispatch("STAGE_DISPATCH_DOWN", empty if gate_up else plan.stage_formats, mt, nt)])
     formats = plan.gate_up_formats if gate_up else plan.down_formats
+    union = union_stages(plan)
+    if union:
+        formats, stage_formats = tuple(sorted(set(formats) | set(plan.stage_formats))), empty
+    else:
+        stage_formats = plan.stage_formats
+    prelude = "".join([
+        _dispatch("DISPATCH_GATE_UP", formats if gate_up else empty, mt, nt),
+        _dispatch("STAGE_DISPATCH_GATE_UP", stage_formats if gate_up else empty, mt, nt),
+        _dispatch("DISPATCH_DOWN", empty if gate_up else formats, mt, nt),
+        _dispatch("STAGE_DISPATCH_DOWN", empty if gate_up else stage_formats, mt, nt)])
     prefetch, unroll = mainloop_unroll(len(formats), mt, plan.small_call)
     defines = (("PF", prefetch), ("MT", mt), ("NT", nt), ("WARPS", plan.warps), ("PRE_ROTATED", int(plan.pre_rotate)),
                ("DIRECT_ROUTE", int(plan.direct)),
                ("PAIR_SCALAR", moe_pair_scalar(len(formats), mt, plan.direct)),
                ("KTILE_UNROLL", unroll), ("ROUTE_MAJOR", int(plan.route_major)))
-    if plan.one_wave and gate_up and len(formats) + len(plan.stage_formats) > 1:
+    defines += (("UNION_STAGES", 1),) if union else ()
+    if plan.one_wave and gate_up and len(formats) + len(stage_formats) > 1:   # two or more mainloops
         defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)
     return defines, prelude
+
+
+def union_stages(plan: MoeMmaPlan) -> bool:
+    """Packed 16-row kernels of a plan with stage formats run the base and the stages through one switch over the
+    union of their formats (UNION_STAGES) when it has fewer than MIXED_MIN_FORMATS: ptxas then gives a K4 base with
+    K1 / K2 stages 72 registers instead of 114 (7 blocks per SM, as the base). One-row direct and 32+-row blocks,
+    and unions of more formats, keep a switch each (there the loop was slower or cost registers);
+    EXL3MOE_MOE_UNION_STAGES=0 keeps a switch each everywhere."""
+    union = set(plan.gate_up_formats) | set(plan.down_formats) | set(plan.stage_formats)
+    return (bool(plan.stage_formats) and plan.block_m == 16 and not plan.direct and len(union) < MIXED_MIN_FORMATS
+            and os.environ.get("EXL3MOE_MOE_UNION_STAGES", "1") != "0")
 
 
 def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):

@@ -139,6 +139,34 @@ __device__ __forceinline__ void add_stages(Acc& acc, int index, int stride, int 
     }
 }
 
+#ifndef UNION_STAGES
+#define UNION_STAGES 0   // 1: the base and each stage with a nonzero scale run one switch over both sets of formats
+#endif
+
+// The base trellis, then add_stages' sums, as passes of one loop through run(words, key): one mainloop per format
+// of the union of the base and stage formats instead of one per format of each (fewer registers, less code).
+template <class Acc, class Run>
+__device__ __forceinline__ void run_passes(Acc& acc, const u32* base_words, int base_key, int index, int stride,
+                                           int num_stages, const long long* __restrict__ addr,
+                                           const int* __restrict__ k2, const int* __restrict__ codebook,
+                                           const float* __restrict__ scale, Run&& run) {
+    for (int s = -1; s < num_stages; s++) {
+        const u32* words = base_words;
+        int key = base_key;
+        float f = 1.f;
+        if (s >= 0) {
+            const int i = s * stride + index;
+            f = scale[i];
+            if (f == 0.f) continue;
+            words = reinterpret_cast<const u32*>(addr[i]);
+            key = k2[i] * 4 + codebook[i];
+            scale_acc(acc, 1.f / f);
+        }
+        run(words, key);
+        if (s >= 0) scale_acc(acc, f);
+    }
+}
+
 // xs[r] = rows[start + r] (fp16, row length `width`) over chunk c0's 128 columns; rows past nrows zeroed.
 __device__ __forceinline__ void copy_rows(unsigned short* xs, const unsigned short* rows, int start, int nrows,
                                           int width, int c0) {
@@ -467,9 +495,15 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     float acc[MT][NT][2][4];
     zero_acc(acc);
     TRACE_MARK(0);
+#if UNION_STAGES
+    run_passes(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
+               3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+               [&](const u32* words, int key) { DISPATCH_GATE_UP(acc, words, key) });
+#else
     DISPATCH_GATE_UP(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                [&](const u32* words, int key) { STAGE_DISPATCH_GATE_UP(acc, words, key) });
+#endif
     store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows, jt0);
 #endif
     TRACE_MARK(2);
@@ -545,9 +579,15 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     float acc[MT][NT][2][4];
     zero_acc(acc);
     TRACE_MARK(0);
+#if UNION_STAGES
+    run_passes(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
+               3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+               [&](const u32* words, int key) { DISPATCH_DOWN(acc, words, key) });
+#else
     DISPATCH_DOWN(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                [&](const u32* words, int key) { STAGE_DISPATCH_DOWN(acc, words, key) });
+#endif
     store_partials(acc, part + split * split_stride + (size_t)start * hidden, hidden, nrows, jt0);
     TRACE_MARK(2);
     if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) {
