@@ -32,6 +32,7 @@ ust = [ResidualStage(res(u.gate, 2, "mcg"), res(u.up, 2, "mcg"), res(u.down, 2, 
        ResidualStage(res(u.gate, 1, "mcg"), None, res(u.down, 1, "mcg"), torch.zeros(16, 3))]
 for union in ("1", "0"):   # the union-stage test, both ways
     os.environ["EXL3MOE_MOE_UNION_STAGES"] = union
-    moe_plan(ExpertSet(u.gate, u.up, u.down, "silu", stages=ust), 20, 4, out_dtype=torch.float16)
+    for block_m in (16, 32):
+        moe_plan(ExpertSet(u.gate, u.up, u.down, "silu", stages=ust), 20, 4, block_m=block_m, out_dtype=torch.float16)
 os.environ.pop("EXL3MOE_MOE_UNION_STAGES")
 print("noted")

@@ -226,11 +226,13 @@ def test_cuda_experts_with_gelu_clamp_bias_and_stages_match_float64():
         assert rel_l2(out, ref) < 2e-3, (T, block_m, rel_l2(out, ref))
 
 
-def test_union_stage_passes_give_the_bytes_of_separate_switches(monkeypatch):
-    """Packed 16-row kernels that run the base and the stages through one switch (UNION_STAGES: a K4 base, K1 and
-    K2 MCG stages, one sparse): the bytes of the kernels with a switch each, and within 2e-3 of float64."""
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_union_stage_passes_give_the_bytes_of_separate_switches(block_m, monkeypatch):
+    """A K4 base with K1 and K2 MCG stages (one sparse): packed 16-row kernels that run base and stages through one
+    switch (UNION_STAGES) and 32-row ones held to 5 blocks per SM give the bytes of the kernels without either,
+    within 2e-3 of float64."""
     from exl3moe import ResidualStage
-    from exl3moe.kernels.moe_mma import union_stages
+    from exl3moe.kernels.moe_mma import stage_min_blocks, union_stages
     E, H, I, top_k, T = 16, 512, 384, 4, 20
     g = torch.Generator(device="cuda").manual_seed(60)
     base = random_experts(E, H, I, [4], ["mcg"], seed=61)
@@ -250,9 +252,9 @@ def test_union_stage_passes_give_the_bytes_of_separate_switches(monkeypatch):
     outs = {}
     for union in ("1", "0"):
         monkeypatch.setenv("EXL3MOE_MOE_UNION_STAGES", union)
-        plan = moe_plan(layer, T, top_k, out_dtype=torch.float16)
-        assert plan.mma is not None and plan.block_m == 16 and not plan.mma.direct
-        assert union_stages(plan.mma) == (union == "1")
+        plan = moe_plan(layer, T, top_k, block_m=block_m, out_dtype=torch.float16)
+        assert plan.mma is not None and plan.block_m == block_m and not plan.mma.direct
+        assert (union_stages(plan.mma) if block_m == 16 else stage_min_blocks(plan.mma) == 5) == (union == "1")
         outs[union] = torch.empty(T, H, device="cuda", dtype=torch.float16)
         plan.bind(plan.allocate()).run(x, ids, weights, outs[union])
     assert torch.equal(bits(outs["1"]), bits(outs["0"]))

@@ -88,7 +88,7 @@ def test_packed_plans_split_for_more_warps_with_gate_up_splits_of_three_chunks_o
     assert moe_mma_layout(qwen3, 8192, 128).gate_up_splits == 1, "warp-specialized plans keep one split"
 
 
-def test_stage_plans_of_few_formats_run_base_and_stages_through_one_switch(monkeypatch):
+def test_few_format_stage_plans_take_one_switch_at_16_rows_and_five_blocks_per_sm_at_32(monkeypatch):
     from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, union_stages
 
     plan = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((2, 1), (4, 1)), 2, 64, 1, 48, False)
@@ -104,8 +104,13 @@ def test_stage_plans_of_few_formats_run_base_and_stages_through_one_switch(monke
     assert not union_stages(many), "four formats: a switch each"
     assert not union_stages(MoeMmaPlan(32, 4, ((8, 1),), ((8, 1),), ((2, 1), (4, 1)), 2, 64, 1, 48, False))
     assert not union_stages(MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((2, 1), (4, 1)), 8, 16, 6, 8, False, True))
+    rows32 = MoeMmaPlan(32, 4, ((8, 1),), ((8, 1),), ((2, 1), (4, 1)), 2, 64, 1, 48, False)
+    assert all(dict(kernel_source(rows32, n)[0]).get("MIN_BLOCKS") == 5 for n in ("moe_gate_up_mma", "moe_down_mma"))
+    assert "MIN_BLOCKS" not in dict(kernel_source(MoeMmaPlan(32, 4, ((8, 1),), ((8, 1),), (), 2, 64, 1, 48, False),
+                                                  "moe_gate_up_mma")[0]), "the base keeps ptxas's choice"
     monkeypatch.setenv("EXL3MOE_MOE_UNION_STAGES", "0")
     assert not union_stages(plan) and "UNION_STAGES" not in dict(kernel_source(plan, "moe_down_mma")[0])
+    assert "MIN_BLOCKS" not in dict(kernel_source(rows32, "moe_gate_up_mma")[0])
 
 
 def test_decode_variants_follow_block_rows_and_format_count():

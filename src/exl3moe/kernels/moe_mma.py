@@ -25,6 +25,7 @@ MIXED_MIN_FORMATS, MIXED_MAX_MT = 4, 2
 # One-row gate/up of more than one mainloop (formats or stages) whose blocks fit one wave at this many per SM:
 # registers for that many (ptxas would give such kernels 80-92, 5-6 per SM).
 DIRECT_GATE_UP_MIN_BLOCKS = 7
+STAGE_32_ROW_MIN_BLOCKS = 5  # a stage plan's 32-row kernels (stage_min_blocks)
 SMALL_CALL_SLOTS, SMALL_CALL_UNROLL = 32, 2  # calls of so few slots run every block at once: smallest mainloops
 MAX_GRID_ROWS = 65535  # gridDim.y: gate/up and down launch one grid row per route block (column blocks along x)
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
@@ -234,7 +235,17 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     defines += (("UNION_STAGES", 1),) if union else ()
     if plan.one_wave and gate_up and len(formats) + len(stage_formats) > 1:   # two or more mainloops
         defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)
+    defines += (("MIN_BLOCKS", stage_min_blocks(plan)),) if stage_min_blocks(plan) else ()
     return defines, prelude
+
+
+def stage_min_blocks(plan: MoeMmaPlan) -> int:
+    """MIN_BLOCKS of a stage plan's 32-row kernels of fewer than MIXED_MIN_FORMATS formats: ptxas gives a K4 base
+    with K1 / K2 stages 128 registers (3 blocks per SM) against the base's 96; bounded to STAGE_32_ROW_MIN_BLOCKS
+    (96 registers, 24-32 bytes of stack). 0 elsewhere."""
+    union = set(plan.gate_up_formats) | set(plan.down_formats) | set(plan.stage_formats)
+    few = len(union) < MIXED_MIN_FORMATS and os.environ.get("EXL3MOE_MOE_UNION_STAGES", "1") != "0"
+    return STAGE_32_ROW_MIN_BLOCKS if plan.stage_formats and plan.block_m == 32 and few else 0
 
 
 def union_stages(plan: MoeMmaPlan) -> bool:
