@@ -35,4 +35,8 @@ for union in ("1", "0"):   # the union-stage test, both ways
     for block_m in (16, 32):
         moe_plan(ExpertSet(u.gate, u.up, u.down, "silu", stages=ust), 20, 4, block_m=block_m, out_dtype=torch.float16)
 os.environ.pop("EXL3MOE_MOE_UNION_STAGES")
+one_shared = experts(1, 512, 256, [4], ["mcg"])
+for K in (4, 3):   # one-format direct plans reading their combine ahead
+    for top_k, T in ((4, 4), (10, 1)):
+        moe_plan(experts(16, 512, 384, [K], ["mcg"]), T, top_k, shared=one_shared)
 print("noted")

@@ -41,6 +41,7 @@ def launches(monkeypatch):
                         lambda file, name, defines, index, prelude="", arch_suffix="": (file, name, prelude))
     monkeypatch.setattr(nvrtc, "launch",
                         lambda func, grid, block, args, shared=0: recorded.append((func, grid, block, args)))
+    monkeypatch.setattr(nvrtc, "local_bytes", lambda func: 0)
     return recorded
 
 
@@ -98,7 +99,8 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
 
 def test_one_row_gate_up_of_many_mainloops_is_bounded_only_when_a_call_fits_one_wave(launches, monkeypatch):
     """A direct plan's gate/up of two formats gets __launch_bounds__' minimum blocks when a full call's blocks fit
-    on the GPU at that many per SM; a uniform layer's, or a call of more blocks, keeps ptxas's own registers."""
+    on the GPU at that many per SM; a uniform layer's, or a call of more blocks, keeps ptxas's own registers. Down
+    reads its combine's inputs ahead with registers for 8 blocks per SM (one format) or 7 (more)."""
     from exl3moe.kernels.moe_mma import DIRECT_GATE_UP_MIN_BLOCKS, kernel_source
 
     g = torch.Generator().manual_seed(4)
@@ -111,7 +113,20 @@ def test_one_row_gate_up_of_many_mainloops_is_bounded_only_when_a_call_fits_one_
         assert mma.direct and mma.one_wave == (blocks <= 3 * DIRECT_GATE_UP_MIN_BLOCKS)
         defines = dict(kernel_source(mma, "moe_gate_up_mma")[0])
         assert defines.get("MIN_BLOCKS") == (DIRECT_GATE_UP_MIN_BLOCKS if bounded else None), (T, blocks)
-        assert "MIN_BLOCKS" not in dict(kernel_source(mma, "moe_down_mma")[0])
+        down = dict(kernel_source(mma, "moe_down_mma")[0])
+        assert down["COMBINE_AHEAD"] == 8 and down["MIN_BLOCKS"] == (8 if experts is uniform else 7)
+
+
+def test_direct_down_drops_its_launch_bound_where_ptxas_spills(launches, monkeypatch):
+    """A one-format direct down reads its combine ahead with registers for 8 blocks per SM; where ptxas spills
+    under that bound, the kernel is compiled again without it (the read-ahead stays)."""
+    experts = random_experts(8, 256, 256, K=4, codebook="mcg", generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, name, d, index, prelude="", arch_suffix="": (name, dict(d)))
+    for spills in (False, True):
+        monkeypatch.setattr(nvrtc, "local_bytes", lambda func: 8 if spills and "MIN_BLOCKS" in func[1] else 0)
+        name, defines = moe_plan(experts, 1, 2).mma.down_kernel
+        assert name == "moe_down_mma" and defines["COMBINE_AHEAD"] == 8
+        assert defines.get("MIN_BLOCKS") == (None if spills else 8), spills
 
 
 @pytest.mark.parametrize("persistent_gate_up", ["0", "1"])

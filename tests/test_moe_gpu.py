@@ -292,6 +292,34 @@ def test_direct_route_small_calls(qwen3_layer, monkeypatch):
     assert torch.equal(bits(out), bits(runner.run(x, ids, weights, torch.empty_like(out))))
 
 
+@pytest.mark.parametrize("K", [4, 3])
+def test_one_format_direct_down_reads_its_combine_ahead(K):
+    """A one-format direct plan's down reads its combine's ids and weights before the arrival (K4 with registers for
+    8 blocks per SM; the bound may be dropped where it spills): float64 agreement with remote ids, int32 / int64
+    ids, fp16 / bf16 / fp32 weights, a shared expert, top_k 10 (slots past the read-ahead), and row bytes
+    independent of the batch."""
+    from exl3moe.kernels.moe_mma import direct_down_defines
+    E, H, I = 16, 512, 384
+    layer = random_experts(E, H, I, [K], ["mcg"], seed=70)
+    shared = random_experts(1, H, 256, [4], ["mcg"], seed=71, name="shared")
+    for top_k, T in ((4, 4), (10, 1)):
+        plan = moe_plan(layer, T, top_k, shared=shared)
+        assert plan.mma.direct and dict(direct_down_defines(plan.mma))["COMBINE_AHEAD"] == 8
+        runner = plan.bind(plan.allocate())
+        x = (torch.randn(T, H, device="cuda") / 8).half()
+        ids, weights = routing(T, E, top_k, 72)
+        ids[0, 1] = -1
+        ids[T - 1, top_k - 1] = E + 3
+        for id_dtype in (torch.int32, torch.int64):
+            for w in (weights.half(), weights.bfloat16(), weights):
+                out = torch.full((T, H), float("nan"), device="cuda")
+                runner.run(x, ids.to(id_dtype), w, out)
+                assert rel_l2(out, moe(x, layer, ids, w, shared)) < 2e-3, (top_k, id_dtype, w.dtype)
+        full = runner.run(x, ids, weights, torch.empty(T, H, device="cuda", dtype=torch.float16))
+        one = runner.run(x[-1:], ids[-1:], weights[-1:], torch.empty(1, H, device="cuda", dtype=torch.float16))
+        assert torch.equal(bits(one), bits(full[-1:])), top_k
+
+
 def test_warp_specialized_experts_give_mma_sync_bytes(qwen3_layer, monkeypatch):
     """128-row route blocks on trellis_ws's mainloop (sm_90) against mma.sync, with a sparse residual stage."""
     T, top_k, H, E = 300, QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]

@@ -116,7 +116,8 @@ def test_few_format_stage_plans_take_one_switch_at_16_rows_and_five_blocks_per_s
 def test_decode_variants_follow_block_rows_and_format_count():
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import DIRECT_GATE_UP_MIN_BLOCKS, kernel_source, moe_mma_layout
+    from exl3moe.kernels.moe_mma import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
+                                         DIRECT_GATE_UP_MIN_BLOCKS, kernel_source, moe_mma_layout)
     from exl3moe.kernels.trellis_mma import pair_scalar
 
     assert [pair_scalar(mt) for mt in (1, 2, 4, 8)] == [3, 3, 0, 0]
@@ -132,16 +133,21 @@ def test_decode_variants_follow_block_rows_and_format_count():
             assert defines["KTILE_UNROLL"] == unroll and defines["PAIR_SCALAR"] == pair_sums
     direct = moe_mma_layout(uniform, max_slots=8, block_m=16, direct=True)
     assert direct.direct and dict(kernel_source(direct, "moe_gate_up_mma")[0])["PAIR_SCALAR"] == pair_scalar(1)
-    # One-row gate/up of more than one mainloop is held to DIRECT_GATE_UP_MIN_BLOCKS blocks per SM; nothing else is.
+    # One-row gate/up of more than one mainloop is held to DIRECT_GATE_UP_MIN_BLOCKS blocks per SM; one-row down
+    # to DIRECT_DOWN_MIN_BLOCKS (one mainloop) or DIRECT_DOWN_MIN_BLOCKS_MIXED; nothing else is.
     staged = replace(moe_mma_layout(uniform, max_slots=8, block_m=16, stage_formats=((4, 1),), direct=True),
                      one_wave=True)
     assert dict(kernel_source(staged, "moe_gate_up_mma")[0])["MIN_BLOCKS"] == DIRECT_GATE_UP_MIN_BLOCKS
     two = replace(moe_mma_layout(two, max_slots=8, block_m=16, direct=True), one_wave=True)
     assert dict(kernel_source(two, "moe_gate_up_mma")[0])["MIN_BLOCKS"] == DIRECT_GATE_UP_MIN_BLOCKS
     waves = replace(two, one_wave=False)   # blocks in more than one wave anyway: ptxas's own register count
-    unbounded = ((staged, "moe_down_mma"), (direct, "moe_gate_up_mma"), (two, "moe_down_mma"),
-                 (waves, "moe_gate_up_mma"))
+    unbounded = ((direct, "moe_gate_up_mma"), (waves, "moe_gate_up_mma"))
     assert all("MIN_BLOCKS" not in dict(kernel_source(p, n)[0]) for p, n in unbounded)
+    downs = ((direct, DIRECT_DOWN_MIN_BLOCKS), (staged, DIRECT_DOWN_MIN_BLOCKS_MIXED),
+             (two, DIRECT_DOWN_MIN_BLOCKS_MIXED))
+    assert all(dict(kernel_source(p, "moe_down_mma")[0])["MIN_BLOCKS"] == bound for p, bound in downs)
+    packed = moe_mma_layout(uniform, max_slots=64, block_m=16)
+    assert not {"MIN_BLOCKS", "COMBINE_AHEAD"} & set(dict(kernel_source(packed, "moe_down_mma")[0]))
 
 
 def test_direct_route_limit_depends_on_slots_and_formats():

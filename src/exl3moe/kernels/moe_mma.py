@@ -26,6 +26,9 @@ MIXED_MIN_FORMATS, MIXED_MAX_MT = 4, 2
 # registers for that many (ptxas would give such kernels 80-92, 5-6 per SM).
 DIRECT_GATE_UP_MIN_BLOCKS = 7
 STAGE_32_ROW_MIN_BLOCKS = 5  # a stage plan's 32-row kernels (stage_min_blocks)
+# A direct plan's down reads its combine's first slots ahead of the arrival, with registers for this many blocks
+# per SM: one mainloop (where ptxas fits it without a spill), more mainloops (direct_down_defines, _kernel).
+DIRECT_COMBINE_AHEAD, DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED = 8, 8, 7
 SMALL_CALL_SLOTS, SMALL_CALL_UNROLL = 32, 2  # calls of so few slots run every block at once: smallest mainloops
 MAX_GRID_ROWS = 65535  # gridDim.y: gate/up and down launch one grid row per route block (column blocks along x)
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
@@ -236,7 +239,21 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     if plan.one_wave and gate_up and len(formats) + len(stage_formats) > 1:   # two or more mainloops
         defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)
     defines += (("MIN_BLOCKS", stage_min_blocks(plan)),) if stage_min_blocks(plan) else ()
+    defines += direct_down_defines(plan) if name == "moe_down_mma" else ()
     return defines, prelude
+
+
+def direct_down_defines(plan: MoeMmaPlan) -> tuple:
+    """A direct plan's down reads its combine's ids and weights for the first DIRECT_COMBINE_AHEAD slots before
+    the combine's arrival. ptxas would give the read-ahead 72-94 registers, so the kernel is bounded: a single
+    mainloop (one format, no stages) to DIRECT_DOWN_MIN_BLOCKS per SM (GLM's 1024-block calls then fit one wave;
+    _kernel drops the bound where ptxas spills under it), more mainloops to DIRECT_DOWN_MIN_BLOCKS_MIXED (24-32
+    bytes of stack, faster than the plain combine)."""
+    if not plan.direct:
+        return ()
+    single = len(plan.down_formats) == 1 and not plan.stage_formats
+    return ("COMBINE_AHEAD", DIRECT_COMBINE_AHEAD), \
+        ("MIN_BLOCKS", DIRECT_DOWN_MIN_BLOCKS if single else DIRECT_DOWN_MIN_BLOCKS_MIXED)
 
 
 def stage_min_blocks(plan: MoeMmaPlan) -> int:
@@ -261,8 +278,13 @@ def union_stages(plan: MoeMmaPlan) -> bool:
 
 def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
     defines, prelude = kernel_source(plan, name)
-    return nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude,
-                        "a" if plan.ws and name in ("moe_gate_up_mma", "moe_gate_up_ws", "moe_down_ws") else "")
+    arch_suffix = "a" if plan.ws and name in ("moe_gate_up_mma", "moe_gate_up_ws", "moe_down_ws") else ""
+    func = nvrtc.kernel("moe_mma.cu", name, defines, device.index or 0, prelude, arch_suffix)
+    bound = ("MIN_BLOCKS", DIRECT_DOWN_MIN_BLOCKS)
+    if name == "moe_down_mma" and bound in direct_down_defines(plan) and nvrtc.local_bytes(func):
+        unbounded = tuple(d for d in defines if d != bound)   # the bound spilled: ptxas's own registers
+        func = nvrtc.kernel("moe_mma.cu", name, unbounded, device.index or 0, prelude, arch_suffix)
+    return func
 
 
 def workspace_numels(plan: MoeMmaPlan, capacity: int, max_blocks: int, hidden: int, inter: int) -> dict:

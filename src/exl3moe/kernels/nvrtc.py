@@ -192,6 +192,13 @@ def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str
     return _check(driver.cuModuleGetFunction(module, name.encode()), "cuModuleGetFunction")
 
 
+def local_bytes(func) -> int:
+    """Local memory per thread (stack and spills) of a compiled function."""
+    driver, _ = _bindings()
+    attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
+    return int(_check(driver.cuFuncGetAttribute(attribute, func), "cuFuncGetAttribute"))
+
+
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (0 for any other device)."""
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \

@@ -103,19 +103,68 @@ __device__ __forceinline__ float load_as_float(const void* p, size_t i, int dtyp
     return input_to_float(reinterpret_cast<const unsigned short*>(p)[i], dtype);
 }
 
-__device__ __forceinline__ void combine_token(const Combine& cb, int token, int cblock, const float* y, int hidden,
-                                              int num_experts) {
+__device__ __forceinline__ bool slot_is_local(const Combine& cb, size_t slot, int num_experts) {
+    const long long id = cb.ids_64 ? reinterpret_cast<const long long*>(cb.ids)[slot]
+                                   : reinterpret_cast<const int*>(cb.ids)[slot];
+    return id >= 0 && id < num_experts;
+}
+
+// A token's first COMBINE_AHEAD routing weights and the ids' locality, and its shared-expert value, read before the
+// combine's arrival so that their latency overlaps it (0: each slot's id, then weight, after the arrival).
+#ifndef COMBINE_AHEAD
+#define COMBINE_AHEAD 0
+#endif
+constexpr int AHEAD_SLOTS = COMBINE_AHEAD > 0 ? COMBINE_AHEAD : 1;
+struct TokenInputs {
+    float weight[AHEAD_SLOTS];
+    unsigned local;  // bit j: slot j's id is in [0, num_experts)
+    float shared;
+};
+
+__device__ __forceinline__ TokenInputs token_inputs(const Combine& cb, int token, int cblock, int hidden,
+                                                    int num_experts) {
+    TokenInputs in{{}, 0u, 0.f};
+    long long ids[AHEAD_SLOTS];
+    u32 raw[AHEAD_SLOTS];   // weight bits: fp32, or fp16 / bf16 in the low half
+#pragma unroll
+    for (int j = 0; j < COMBINE_AHEAD; j++) {   // every load first, so that none waits for another
+        const size_t slot = (size_t)token * cb.top_k + j;
+        if (j < cb.top_k) {
+            ids[j] = cb.ids_64 ? reinterpret_cast<const long long*>(cb.ids)[slot]
+                               : reinterpret_cast<const int*>(cb.ids)[slot];
+            raw[j] = cb.weights_dtype == 2 ? reinterpret_cast<const u32*>(cb.weights)[slot]
+                                           : reinterpret_cast<const unsigned short*>(cb.weights)[slot];
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < COMBINE_AHEAD; j++)
+        if (j < cb.top_k && ids[j] >= 0 && ids[j] < num_experts) {
+            in.local |= 1u << j;
+            in.weight[j] = cb.weights_dtype == 2 ? __uint_as_float(raw[j])
+                                                 : input_to_float((unsigned short)raw[j], cb.weights_dtype);
+        }
+    if (cb.shared_y != nullptr) in.shared = cb.shared_y[(size_t)token * hidden + cblock * 128 + threadIdx.x];
+    return in;
+}
+
+__device__ __forceinline__ void combine_token(const Combine& cb, const TokenInputs& in, int token, int cblock,
+                                              const float* y, int hidden, int num_experts) {
     if (!last_arrival(cb.counters + (size_t)token * (hidden / 128) + cblock, cb.top_k)) return;
     const int c = cblock * 128 + threadIdx.x;
+    float ys[AHEAD_SLOTS];
+#pragma unroll
+    for (int j = 0; j < COMBINE_AHEAD; j++)
+        if (j < cb.top_k) ys[j] = __ldcg(y + ((size_t)token * cb.top_k + j) * hidden + c);
     float acc = 0.f;
-    for (int j = 0; j < cb.top_k; j++) {
+#pragma unroll
+    for (int j = 0; j < COMBINE_AHEAD; j++)
+        if (in.local >> j & 1u) acc = acc + in.weight[j] * ys[j];
+    for (int j = COMBINE_AHEAD; j < cb.top_k; j++) {
         const size_t slot = (size_t)token * cb.top_k + j;
-        const long long id = cb.ids_64 ? reinterpret_cast<const long long*>(cb.ids)[slot]
-                                       : reinterpret_cast<const int*>(cb.ids)[slot];
-        if (id >= 0 && id < num_experts)
+        if (slot_is_local(cb, slot, num_experts))
             acc = acc + load_as_float(cb.weights, slot, cb.weights_dtype) * __ldcg(y + slot * hidden + c);
     }
-    if (cb.shared_y != nullptr) acc = acc + cb.shared_y[(size_t)token * hidden + c];
+    if (cb.shared_y != nullptr) acc = acc + in.shared;
     const size_t o = (size_t)token * cb.stride_out + c;
     if (cb.out_dtype == 2) reinterpret_cast<float*>(cb.out)[o] = acc;
     else if (cb.out_dtype == 1) reinterpret_cast<unsigned short*>(cb.out)[o] = float_to_bf16(acc);
@@ -379,46 +428,67 @@ moe_rotate_input(const unsigned short* __restrict__ x, int flags, int stride_x,
 
 __device__ __forceinline__ float bias_at(const float* bias, size_t i) { return bias != nullptr ? bias[i] : 0.f; }
 
+// A lane's 4 columns of an epilogue vector, loaded ahead of the arrival: fp16 scales, and fp32 biases (0 when none).
+__device__ __forceinline__ void load_scales(float (&v)[4], const unsigned short* p) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) v[j] = half_to_float(__ldg(p + j));
+}
+
+__device__ __forceinline__ void load_biases(float (&v)[4], const float* p) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) v[j] = p != nullptr ? __ldg(p + j) : 0.f;
+}
+
 // A finished gate or up value: its column's Hn(sum) / sqrt(128) * svh + bias (v: the Hadamard of the split sum).
+__device__ __forceinline__ float finished(float v, float svh, float bias) { return v * INV_SQRT_128 * svh + bias; }
+
+// The same, reading svh[j] and bias[j] (0 without biases) in the expression, where the packed epilogues read them.
 __device__ __forceinline__ float finished(float v, const unsigned short* svh, const float* bias, int j) {
     return v * INV_SQRT_128 * half_to_float(svh[j]) + bias_at(bias, j);
 }
 
 // h_rot[j] = fp16(Hn(act(gate, up) * down's suh) / sqrt(128)) of a lane's 4 columns, from finished gate and up.
-template <class Gate, class Up>
-__device__ __forceinline__ void store_activated(Gate&& gate, Up&& up, const unsigned short* down_suh, int activation,
-                                                int has_limit, float limit, unsigned short* h_rot, int lane) {
+template <class Gate, class Up, class Suh>
+__device__ __forceinline__ void store_activated(Gate&& gate, Up&& up, Suh&& down_suh, int activation, int has_limit,
+                                                float limit, unsigned short* h_rot, int lane) {
     float h[4];
 #pragma unroll
-    for (int j = 0; j < 4; j++)
-        h[j] = activate(gate(j), up(j), activation, has_limit, limit) * half_to_float(down_suh[j]);
+    for (int j = 0; j < 4; j++) h[j] = activate(gate(j), up(j), activation, has_limit, limit) * down_suh(j);
     hadamard128_warp(h, lane);
 #pragma unroll
     for (int j = 0; j < 4; j++) h_rot[j] = float_to_half(h[j] * INV_SQRT_128);
 }
 
-// A direct route's gate/up epilogue (one row; pointers at the lane's column group): gate (warp 0) and up (warp 1)
-// summed and finished at once, then the activation and down's input rotation in warp 0 (not inlined: fewer
-// registers for the mainloop).
-__device__ __noinline__ void finish_one_row(const float* part, size_t up_offset, size_t split_stride, int splits,
-                                            const unsigned short* gate_svh, const unsigned short* up_svh,
-                                            const unsigned short* down_suh, const float* gate_bias,
-                                            const float* up_bias, int activation, int has_limit, float limit,
-                                            unsigned short* h_rot) {
+// A direct route's gate/up arrival and epilogue (one row; pointers at the lane's column group), false for a block
+// that is not the last: its vectors are read before the arrival, then gate (warp 0) and up (warp 1) are summed and
+// finished at once, and warp 0 applies the activation and down's input rotation (not inlined: fewer registers for
+// the mainloop).
+__device__ __noinline__ bool finish_one_row(int* counter, int arrivals, const float* part, size_t up_offset,
+                                            size_t split_stride, int splits, const unsigned short* gate_svh,
+                                            const unsigned short* up_svh, const unsigned short* down_suh,
+                                            const float* gate_bias, const float* up_bias, int activation,
+                                            int has_limit, float limit, unsigned short* h_rot) {
     __shared__ float done[2][128];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    float svh[4], shift[4], suh[4];
+    if (warp < 2) {
+        load_scales(svh, warp ? up_svh : gate_svh);
+        load_biases(shift, warp ? up_bias : gate_bias);
+        load_scales(suh, down_suh);
+    }
+    if (!last_arrival(counter, arrivals)) return false;
     if (warp < 2) {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
-        add_splits<4, true>(v, part + warp * up_offset, split_stride, splits);
+        add_splits<SPLIT_BATCH, true>(v, part + warp * up_offset, split_stride, splits);
         hadamard128_warp(v, lane);
 #pragma unroll
-        for (int j = 0; j < 4; j++)
-            done[warp][4 * lane + j] = finished(v[j], warp ? up_svh : gate_svh, warp ? up_bias : gate_bias, j);
+        for (int j = 0; j < 4; j++) done[warp][4 * lane + j] = finished(v[j], svh[j], shift[j]);
     }
     __syncthreads();
     if (warp == 0)
         store_activated([&](int j) { return done[0][4 * lane + j]; }, [&](int j) { return done[1][4 * lane + j]; },
-                        down_suh, activation, has_limit, limit, h_rot, lane);
+                        [&](int j) { return suh[j]; }, activation, has_limit, limit, h_rot, lane);
+    return true;
 }
 
 #if !WS || defined(WS_PRODUCE_GATE_UP)
@@ -507,6 +577,21 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows, jt0);
 #endif
     TRACE_MARK(2);
+#if DIRECT_ROUTE
+    const int c = cblock * 128 + 4 * lane;
+    const unsigned short* gate_svh = reinterpret_cast<const unsigned short*>(svh_addr[expert]);
+    const unsigned short* up_svh = reinterpret_cast<const unsigned short*>(svh_addr[num_experts + expert]);
+    const unsigned short* down_suh = reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]);
+    const float* gate_bias = bias != nullptr ? bias + (size_t)expert * inter : nullptr;
+    const float* up_bias = bias != nullptr ? bias + ((size_t)num_experts + expert) * inter : nullptr;
+    if (!finish_one_row(counters + b * (inter / 128) + cblock, 2 * splits, part + (size_t)start * inter + c,
+                        (size_t)capacity * inter, split_stride, splits, gate_svh + c, up_svh + c, down_suh + c,
+                        gate_bias ? gate_bias + c : nullptr, up_bias ? up_bias + c : nullptr, activation, has_limit,
+                        limit, h_rot + (size_t)start * inter + c)) {
+        TRACE_PRINT(1);
+        return;
+    }
+#else
     if (!last_arrival(counters + b * (inter / 128) + cblock, 2 * splits)) {
         TRACE_MARK(3);
         TRACE_PRINT(1);
@@ -520,11 +605,6 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const unsigned short* down_suh = reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]);
     const float* gate_bias = bias != nullptr ? bias + (size_t)expert * inter : nullptr;
     const float* up_bias = bias != nullptr ? bias + ((size_t)num_experts + expert) * inter : nullptr;
-#if DIRECT_ROUTE
-    finish_one_row(part + (size_t)start * inter + c, (size_t)capacity * inter, split_stride, splits, gate_svh + c,
-                   up_svh + c, down_suh + c, gate_bias ? gate_bias + c : nullptr, up_bias ? up_bias + c : nullptr,
-                   activation, has_limit, limit, h_rot + (size_t)start * inter + c);
-#else
     for (int r = warp; r < nrows; r += WARPS) {
         float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
         add_splits<SPLIT_BATCH, true>(g, part + (size_t)(start + r) * inter + c, split_stride, splits);
@@ -532,8 +612,9 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
         hadamard128_warp(g, lane);
         hadamard128_warp(u, lane);
         store_activated([&](int j) { return finished(g[j], gate_svh, gate_bias, c + j); },
-                        [&](int j) { return finished(u[j], up_svh, up_bias, c + j); }, down_suh + c, activation,
-                        has_limit, limit, h_rot + (size_t)(start + r) * inter + c, lane);
+                        [&](int j) { return finished(u[j], up_svh, up_bias, c + j); },
+                        [&](int j) { return half_to_float(down_suh[c + j]); }, activation, has_limit, limit,
+                        h_rot + (size_t)(start + r) * inter + c, lane);
     }
 #endif
     TRACE_MARK(4);
@@ -562,7 +643,10 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     if (!route_block(b, block_expert, block_start, offsets, combine.ids_64, num_experts, expert, start, nrows)) {
 #if DIRECT_ROUTE
         // A slot of an expert that lives elsewhere still counts towards its token's combine.
-        if (blockIdx.z == 0) combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
+        const int token = b / combine.top_k;
+        if (blockIdx.z == 0)
+            combine_token(combine, token_inputs(combine, token, cblock, hidden, num_experts), token, cblock, y,
+                          hidden, num_experts);
 #endif
         return;
     }
@@ -590,6 +674,28 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
 #endif
     store_partials(acc, part + split * split_stride + (size_t)start * hidden, hidden, nrows, jt0);
     TRACE_MARK(2);
+#if DIRECT_ROUTE
+    // A direct route's one row: its vectors are read before the arrival, its token's combine inputs before the
+    // combine's.
+    const int c = cblock * 128 + 4 * lane, token = b / combine.top_k;
+    float scale[4], shift[4];
+    load_scales(scale, reinterpret_cast<const unsigned short*>(svh_addr[index]) + c);
+    load_biases(shift, bias != nullptr ? bias + (size_t)expert * hidden + c : nullptr);
+    if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) {
+        TRACE_PRINT(2);
+        return;
+    }
+    if (warp == 0) {
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        add_splits<SPLIT_BATCH, true>(v, part + (size_t)start * hidden + c, split_stride, splits);
+        hadamard128_warp(v, lane);
+#pragma unroll
+        for (int j = 0; j < 4; j++) y[(size_t)start * hidden + c + j] = v[j] * INV_SQRT_128 * scale[j] + shift[j];
+    }
+    TRACE_MARK(4);
+    combine_token(combine, token_inputs(combine, token, cblock, hidden, num_experts), token, cblock, y, hidden,
+                  num_experts);
+#else
     if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) {
         TRACE_MARK(3);
         TRACE_PRINT(2);
@@ -610,8 +716,6 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
             y[slot * hidden + c + j] = v[j] * INV_SQRT_128 * half_to_float(svh[c + j]) + bias_at(down_bias, c + j);
     }
     TRACE_MARK(4);
-#if DIRECT_ROUTE
-    combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
 #endif
     TRACE_MARK(5);
     TRACE_PRINT(2);
