@@ -577,13 +577,22 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows, jt0);
 #endif
     TRACE_MARK(2);
-#if DIRECT_ROUTE
+#if !DIRECT_ROUTE   // a direct route's arrival is in finish_one_row, after its vectors are read
+    if (!last_arrival(counters + b * (inter / 128) + cblock, 2 * splits)) {
+        TRACE_MARK(3);
+        TRACE_PRINT(1);
+        return;
+    }
+    TRACE_MARK(3);
+#endif
+
     const int c = cblock * 128 + 4 * lane;
     const unsigned short* gate_svh = reinterpret_cast<const unsigned short*>(svh_addr[expert]);
     const unsigned short* up_svh = reinterpret_cast<const unsigned short*>(svh_addr[num_experts + expert]);
     const unsigned short* down_suh = reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]);
     const float* gate_bias = bias != nullptr ? bias + (size_t)expert * inter : nullptr;
     const float* up_bias = bias != nullptr ? bias + ((size_t)num_experts + expert) * inter : nullptr;
+#if DIRECT_ROUTE
     if (!finish_one_row(counters + b * (inter / 128) + cblock, 2 * splits, part + (size_t)start * inter + c,
                         (size_t)capacity * inter, split_stride, splits, gate_svh + c, up_svh + c, down_suh + c,
                         gate_bias ? gate_bias + c : nullptr, up_bias ? up_bias + c : nullptr, activation, has_limit,
@@ -592,19 +601,6 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
         return;
     }
 #else
-    if (!last_arrival(counters + b * (inter / 128) + cblock, 2 * splits)) {
-        TRACE_MARK(3);
-        TRACE_PRINT(1);
-        return;
-    }
-    TRACE_MARK(3);
-
-    const int c = cblock * 128 + 4 * lane;
-    const unsigned short* gate_svh = reinterpret_cast<const unsigned short*>(svh_addr[expert]);
-    const unsigned short* up_svh = reinterpret_cast<const unsigned short*>(svh_addr[num_experts + expert]);
-    const unsigned short* down_suh = reinterpret_cast<const unsigned short*>(suh_addr[2 * num_experts + expert]);
-    const float* gate_bias = bias != nullptr ? bias + (size_t)expert * inter : nullptr;
-    const float* up_bias = bias != nullptr ? bias + ((size_t)num_experts + expert) * inter : nullptr;
     for (int r = warp; r < nrows; r += WARPS) {
         float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
         add_splits<SPLIT_BATCH, true>(g, part + (size_t)(start + r) * inter + c, split_stride, splits);
