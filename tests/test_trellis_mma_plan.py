@@ -148,6 +148,12 @@ def test_decode_variants_follow_block_rows_and_format_count():
     assert all(dict(kernel_source(p, "moe_down_mma")[0])["MIN_BLOCKS"] == bound for p, bound in downs)
     packed = moe_mma_layout(uniform, max_slots=64, block_m=16)
     assert not {"MIN_BLOCKS", "COMBINE_AHEAD"} & set(dict(kernel_source(packed, "moe_down_mma")[0]))
+    # Packed kernels of four or more formats read their epilogue vectors once per block.
+    spread = moe_mma_layout(many, max_slots=64, block_m=16)
+    assert all(dict(kernel_source(spread, n)[0]).get("PACKED_EPILOGUE_AHEAD") == 1
+               for n in ("moe_gate_up_mma", "moe_down_mma"))
+    assert all("PACKED_EPILOGUE_AHEAD" not in dict(kernel_source(p, n)[0]) for p in (packed, direct)
+               for n in ("moe_gate_up_mma", "moe_down_mma"))
 
 
 def test_direct_route_limit_depends_on_slots_and_formats():

@@ -111,6 +111,9 @@ __device__ __forceinline__ bool slot_is_local(const Combine& cb, size_t slot, in
 
 // A token's first COMBINE_AHEAD routing weights and the ids' locality, and its shared-expert value, read before the
 // combine's arrival so that their latency overlaps it (0: each slot's id, then weight, after the arrival).
+#ifndef PACKED_EPILOGUE_AHEAD
+#define PACKED_EPILOGUE_AHEAD 0   // 1: packed epilogues read their vectors once, before the row loop
+#endif
 #ifndef COMBINE_AHEAD
 #define COMBINE_AHEAD 0
 #endif
@@ -601,16 +604,31 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
         return;
     }
 #else
+#if PACKED_EPILOGUE_AHEAD
+    float gate_scale[4], gate_shift[4], up_scale[4], up_shift[4], down_scale[4];
+    load_scales(gate_scale, gate_svh + c);
+    load_biases(gate_shift, gate_bias != nullptr ? gate_bias + c : nullptr);
+    load_scales(up_scale, up_svh + c);
+    load_biases(up_shift, up_bias != nullptr ? up_bias + c : nullptr);
+    load_scales(down_scale, down_suh + c);
+#endif
     for (int r = warp; r < nrows; r += WARPS) {
         float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
         add_splits<SPLIT_BATCH, true>(g, part + (size_t)(start + r) * inter + c, split_stride, splits);
         add_splits<SPLIT_BATCH, true>(u, part + ((size_t)capacity + start + r) * inter + c, split_stride, splits);
         hadamard128_warp(g, lane);
         hadamard128_warp(u, lane);
+#if PACKED_EPILOGUE_AHEAD
+        store_activated([&](int j) { return finished(g[j], gate_scale[j], gate_shift[j]); },
+                        [&](int j) { return finished(u[j], up_scale[j], up_shift[j]); },
+                        [&](int j) { return down_scale[j]; }, activation, has_limit, limit,
+                        h_rot + (size_t)(start + r) * inter + c, lane);
+#else
         store_activated([&](int j) { return finished(g[j], gate_svh, gate_bias, c + j); },
                         [&](int j) { return finished(u[j], up_svh, up_bias, c + j); },
                         [&](int j) { return half_to_float(down_suh[c + j]); }, activation, has_limit, limit,
                         h_rot + (size_t)(start + r) * inter + c, lane);
+#endif
     }
 #endif
     TRACE_MARK(4);
@@ -702,6 +720,11 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     const int c = cblock * 128 + 4 * lane;
     const unsigned short* svh = reinterpret_cast<const unsigned short*>(svh_addr[index]);
     const float* down_bias = bias != nullptr ? bias + (size_t)expert * hidden : nullptr;
+#if PACKED_EPILOGUE_AHEAD
+    float scale[4], shift[4];
+    load_scales(scale, svh + c);
+    load_biases(shift, down_bias != nullptr ? down_bias + c : nullptr);
+#endif
     for (int r = warp; r < nrows; r += WARPS) {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
         add_splits<SPLIT_BATCH, true>(v, part + (size_t)(start + r) * hidden + c, split_stride, splits);
@@ -709,7 +732,11 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
         const size_t slot = slot_at(sorted_slots, start + r);
 #pragma unroll
         for (int j = 0; j < 4; j++)
+#if PACKED_EPILOGUE_AHEAD
+            y[slot * hidden + c + j] = v[j] * INV_SQRT_128 * scale[j] + shift[j];
+#else
             y[slot * hidden + c + j] = v[j] * INV_SQRT_128 * half_to_float(svh[c + j]) + bias_at(down_bias, c + j);
+#endif
     }
     TRACE_MARK(4);
 #endif
