@@ -263,9 +263,7 @@ def stage_min_blocks(plan: MoeMmaPlan) -> int:
     """MIN_BLOCKS of a stage plan's 32-row kernels of fewer than MIXED_MIN_FORMATS formats: ptxas gives a K4 base
     with K1 / K2 stages 128 registers (3 blocks per SM) against the base's 96; bounded to STAGE_32_ROW_MIN_BLOCKS
     (96 registers, 24-32 bytes of stack). 0 elsewhere."""
-    union = set(plan.gate_up_formats) | set(plan.down_formats) | set(plan.stage_formats)
-    few = len(union) < MIXED_MIN_FORMATS and os.environ.get("EXL3MOE_MOE_UNION_STAGES", "1") != "0"
-    return STAGE_32_ROW_MIN_BLOCKS if plan.stage_formats and plan.block_m == 32 and few else 0
+    return STAGE_32_ROW_MIN_BLOCKS if plan.stage_formats and plan.block_m == 32 and _few_stage_formats(plan) else 0
 
 
 def union_stages(plan: MoeMmaPlan) -> bool:
@@ -274,9 +272,13 @@ def union_stages(plan: MoeMmaPlan) -> bool:
     K1 / K2 stages 72 registers instead of 114 (7 blocks per SM, as the base). One-row direct and 32+-row blocks,
     and unions of more formats, keep a switch each (there the loop was slower or cost registers);
     EXL3MOE_MOE_UNION_STAGES=0 keeps a switch each everywhere."""
+    return bool(plan.stage_formats) and plan.block_m == 16 and not plan.direct and _few_stage_formats(plan)
+
+
+def _few_stage_formats(plan: MoeMmaPlan) -> bool:
+    """Fewer than MIXED_MIN_FORMATS formats over base and stages, and EXL3MOE_MOE_UNION_STAGES not "0"."""
     union = set(plan.gate_up_formats) | set(plan.down_formats) | set(plan.stage_formats)
-    return (bool(plan.stage_formats) and plan.block_m == 16 and not plan.direct and len(union) < MIXED_MIN_FORMATS
-            and os.environ.get("EXL3MOE_MOE_UNION_STAGES", "1") != "0")
+    return len(union) < MIXED_MIN_FORMATS and os.environ.get("EXL3MOE_MOE_UNION_STAGES", "1") != "0"
 
 
 def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
