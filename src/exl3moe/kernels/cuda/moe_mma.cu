@@ -109,11 +109,12 @@ __device__ __forceinline__ bool slot_is_local(const Combine& cb, size_t slot, in
     return id >= 0 && id < num_experts;
 }
 
-// A token's first COMBINE_AHEAD routing weights and the ids' locality, and its shared-expert value, read before the
-// combine's arrival so that their latency overlaps it (0: each slot's id, then weight, after the arrival).
 #ifndef PACKED_EPILOGUE_AHEAD
 #define PACKED_EPILOGUE_AHEAD 0   // 1: packed epilogues read their vectors once, before the row loop
 #endif
+
+// A token's first COMBINE_AHEAD routing weights and the ids' locality, and its shared-expert value, read before the
+// combine's arrival so that their latency overlaps it (0: each slot's id, then weight, after the arrival).
 #ifndef COMBINE_AHEAD
 #define COMBINE_AHEAD 0
 #endif
