@@ -151,8 +151,9 @@ __device__ __forceinline__ TokenInputs token_inputs(const Combine& cb, int token
     return in;
 }
 
-__device__ __forceinline__ void combine_token(const Combine& cb, const TokenInputs& in, int token, int cblock,
-                                              const float* y, int hidden, int num_experts) {
+__device__ __forceinline__ void combine_token(const Combine& cb, int token, int cblock, const float* y, int hidden,
+                                              int num_experts) {
+    const TokenInputs in = token_inputs(cb, token, cblock, hidden, num_experts);
     if (!last_arrival(cb.counters + (size_t)token * (hidden / 128) + cblock, cb.top_k)) return;
     const int c = cblock * 128 + threadIdx.x;
     float ys[AHEAD_SLOTS];
@@ -658,10 +659,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     if (!route_block(b, block_expert, block_start, offsets, combine.ids_64, num_experts, expert, start, nrows)) {
 #if DIRECT_ROUTE
         // A slot of an expert that lives elsewhere still counts towards its token's combine.
-        const int token = b / combine.top_k;
-        if (blockIdx.z == 0)
-            combine_token(combine, token_inputs(combine, token, cblock, hidden, num_experts), token, cblock, y,
-                          hidden, num_experts);
+        if (blockIdx.z == 0) combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
 #endif
         return;
     }
@@ -708,8 +706,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
         for (int j = 0; j < 4; j++) y[(size_t)start * hidden + c + j] = v[j] * INV_SQRT_128 * scale[j] + shift[j];
     }
     TRACE_MARK(4);
-    combine_token(combine, token_inputs(combine, token, cblock, hidden, num_experts), token, cblock, y, hidden,
-                  num_experts);
+    combine_token(combine, token, cblock, y, hidden, num_experts);
 #else
     if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) {
         TRACE_MARK(3);
