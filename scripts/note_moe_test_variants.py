@@ -26,6 +26,9 @@ b = experts(16, 512, 384, [4, 3, 2.5], ["mcg", "3inst", "mul1"], "gelu", 6.0)
 stages = [ResidualStage(res(b.gate, 2, "mcg"), res(b.up, 2, "mcg"), res(b.down, 2, "mcg"), torch.zeros(16, 3)),
           ResidualStage(res(b.gate, 1.5, "mul1"), None, res(b.down, 3, "3inst"), torch.zeros(16, 3))]
 moe_plan(ExpertSet(b.gate, b.up, b.down, "gelu", limit=6.0, stages=stages), 70, 4, block_m=128, out_dtype=torch.float16)
+many = experts(16, 512, 384, [4, 3, 2.5, 6, 2], ["mcg", "3inst", "mul1", "mcg", "mul1"], "gelu", 6.0)
+for T, block_m in ((6, 16), (30, 32)):   # packed kernels of five formats with biases
+    moe_plan(many, T, 4, block_m=block_m, out_dtype=torch.float16)
 import os
 u = experts(16, 512, 384, [4], ["mcg"])
 ust = [ResidualStage(res(u.gate, 2, "mcg"), res(u.up, 2, "mcg"), res(u.down, 2, "mcg"), torch.zeros(16, 3)),

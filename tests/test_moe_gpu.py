@@ -188,6 +188,12 @@ def test_stage_hot_swap_under_one_captured_graph(qwen3_layer):
     assert torch.equal(bits(results[0]), bits(results[3]))
 
 
+def with_bias(ws, g):
+    """The weights with random fp16 biases."""
+    return [EXL3Weight(w.trellis, w.suh, w.svh, w.codebook,
+                       (torch.randn(w.out_features, device="cuda", generator=g) * 0.1).half(), w.name) for w in ws]
+
+
 def test_cuda_experts_with_gelu_clamp_bias_and_stages_match_float64():
     """The CUDA kernels' optional parts at every route-block size: gelu with a clamp, biases on base and
     residuals, two stages of different K and codebook, one with zero scales on some experts."""
@@ -196,18 +202,13 @@ def test_cuda_experts_with_gelu_clamp_bias_and_stages_match_float64():
     g = torch.Generator(device="cuda").manual_seed(40)
     base = random_experts(E, H, I, [4, 3, 2.5], ["mcg", "3inst", "mul1"], seed=41, activation="gelu")
 
-    def with_bias(ws):
-        return [EXL3Weight(w.trellis, w.suh, w.svh, w.codebook, (torch.randn(w.out_features, device="cuda",
-                                                                              generator=g) * 0.1).half(), w.name)
-                for w in ws]
-
     def residuals(ws, K, codebook, bias):
         out = [EXL3Weight(torch.randint(-32768, 32768, w.trellis.shape[:2] + (int(16 * K),), dtype=torch.int32,
                                         device="cuda", generator=g).to(torch.int16), w.suh, w.svh, codebook)
                for w in ws]
-        return with_bias(out) if bias else out
+        return with_bias(out, g) if bias else out
 
-    layer = ExpertSet(with_bias(base.gate), with_bias(base.up), with_bias(base.down), "gelu", limit=6.0)
+    layer = ExpertSet(with_bias(base.gate, g), with_bias(base.up, g), with_bias(base.down, g), "gelu", limit=6.0)
     sparse = torch.rand(E, 3, device="cuda", generator=g) * 0.2
     sparse[::3] = 0.0
     stages = [ResidualStage(residuals(layer.gate, 2, "mcg", True), residuals(layer.up, 2, "mcg", True),
@@ -224,6 +225,26 @@ def test_cuda_experts_with_gelu_clamp_bias_and_stages_match_float64():
         plan.bind(plan.allocate()).run(x, ids, weights, out)
         ref = moe(x, layer, ids, weights)
         assert rel_l2(out, ref) < 2e-3, (T, block_m, rel_l2(out, ref))
+
+
+def test_packed_kernels_of_many_formats_read_their_biases_ahead():
+    """Packed 16- and 32-row kernels of five formats, which read their epilogue vectors once per block
+    (PACKED_EPILOGUE_AHEAD), with biases on every projection and gelu with a clamp: within 2e-3 of float64."""
+    E, H, I, top_k = 16, 512, 384, 4
+    g = torch.Generator(device="cuda").manual_seed(60)
+    base = random_experts(E, H, I, [4, 3, 2.5, 6, 2], ["mcg", "3inst", "mul1", "mcg", "mul1"], seed=61,
+                          activation="gelu")
+    layer = ExpertSet(with_bias(base.gate, g), with_bias(base.up, g), with_bias(base.down, g), "gelu", limit=6.0)
+    for T, block_m in ((6, 16), (30, 32)):
+        plan = moe_plan(layer, T, top_k, block_m=block_m, out_dtype=torch.float16)
+        assert plan.mma is not None and not plan.mma.direct
+        for name in ("moe_gate_up_mma", "moe_down_mma"):
+            assert ("PACKED_EPILOGUE_AHEAD", 1) in moe_mma.kernel_source(plan.mma, name)[0], (T, name)
+        x = (torch.randn(T, H, device="cuda", generator=g) / 4).half()
+        ids, weights = routing(T, E, top_k, 70 + T)
+        out = torch.empty(T, H, device="cuda", dtype=torch.float16)
+        plan.bind(plan.allocate()).run(x, ids, weights, out)
+        assert rel_l2(out, moe(x, layer, ids, weights)) < 2e-3, T
 
 
 @pytest.mark.parametrize("block_m", [16, 32])
