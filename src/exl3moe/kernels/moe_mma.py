@@ -240,6 +240,8 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
         defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)
     defines += (("MIN_BLOCKS", stage_min_blocks(plan)),) if stage_min_blocks(plan) else ()
     defines += direct_down_defines(plan) if name == "moe_down_mma" else ()
+    # Stage plans' gate/up reads suh without asking L2 first: the 16-row union kernel's registers would grow 80 -> 90.
+    defines += (("SUH_PREFETCH", 0),) if plan.stage_formats else ()
     # Packed kernels of many formats read their epilogue vectors once per block (ptxas then gives them fewer
     # registers); kernels of few formats keep the per-row reads (the hoisted vectors cost them a spill).
     defines += (("PACKED_EPILOGUE_AHEAD", 1),) if not plan.direct and len(formats) >= MIXED_MIN_FORMATS else ()

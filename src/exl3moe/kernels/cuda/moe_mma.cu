@@ -109,6 +109,9 @@ __device__ __forceinline__ bool slot_is_local(const Combine& cb, size_t slot, in
     return id >= 0 && id < num_experts;
 }
 
+#ifndef SUH_PREFETCH
+#define SUH_PREFETCH 1   // 0: gate/up blocks that rotate their inputs read suh without asking L2 for it first
+#endif
 #ifndef PACKED_EPILOGUE_AHEAD
 #define PACKED_EPILOGUE_AHEAD 0   // 1: packed epilogues read their vectors once, before the row loop
 #endif
@@ -522,6 +525,10 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[index]);
     const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
     const size_t split_stride = (size_t)2 * capacity * inter;
+#if !WS && !PRE_ROTATED && SUH_PREFETCH
+    // The input scales of the block's k range, asked of L2 before the weights: every chunk's staging reads them.
+    if (warp == 0) prefetch_l2_lines(suh + kt0 * 16, (kt1 - kt0) * 16 * 2, lane);
+#endif
 #if WS
     extern __shared__ __align__(16) unsigned char smem[];
     const WsShared sh(smem);

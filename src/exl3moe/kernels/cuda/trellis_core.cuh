@@ -398,6 +398,12 @@ __device__ __forceinline__ void prefetch_l2(const void* p, int bytes, int lane) 
         asm volatile("prefetch.global.L2 [%0];" ::"l"(reinterpret_cast<const char*>(p) + 128 * lane));
 }
 
+// The warp asks L2 for the 128-byte lines holding bytes [0, bytes) of p, up to 32 lines (one per lane).
+__device__ __forceinline__ void prefetch_l2_lines(const void* p, int bytes, int lane) {
+    const size_t first = reinterpret_cast<size_t>(p) & ~(size_t)127, line = first + 128 * lane;
+    if (line < reinterpret_cast<size_t>(p) + bytes) asm volatile("prefetch.global.L2 [%0];" ::"l"(line));
+}
+
 template <int MT_, int NT_>
 __device__ __forceinline__ void scale_acc(float (&acc)[MT_][NT_][2][4], float f) {
     each_acc(acc, [f](float a) { return a * f; });
