@@ -240,8 +240,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
         defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)
     defines += (("MIN_BLOCKS", stage_min_blocks(plan)),) if stage_min_blocks(plan) else ()
     defines += direct_down_defines(plan) if name == "moe_down_mma" else ()
-    # Stage plans' gate/up reads suh without asking L2 first: the 16-row union kernel's registers would grow 80 -> 90.
-    defines += (("SUH_PREFETCH", 0),) if plan.stage_formats else ()
+    defines += (("SUH_PREFETCH", 1),) if suh_prefetch(plan) and gate_up else ()
     # Packed kernels of many formats read their epilogue vectors once per block (ptxas then gives them fewer
     # registers); kernels of few formats keep the per-row reads (the hoisted vectors cost them a spill).
     defines += (("PACKED_EPILOGUE_AHEAD", 1),) if not plan.direct and len(formats) >= MIXED_MIN_FORMATS else ()
@@ -259,6 +258,13 @@ def direct_down_defines(plan: MoeMmaPlan) -> tuple:
     single = len(plan.down_formats) == 1 and not plan.stage_formats
     return ("COMBINE_AHEAD", DIRECT_COMBINE_AHEAD), \
         ("MIN_BLOCKS", DIRECT_DOWN_MIN_BLOCKS if single else DIRECT_DOWN_MIN_BLOCKS_MIXED)
+
+
+def suh_prefetch(plan: MoeMmaPlan) -> bool:
+    """Packed 16-row gate/up blocks without stages ask L2 for their k range's suh before the mainloop
+    (SUH_PREFETCH). Elsewhere it did not pay: ptxas gives some direct and stage kernels more registers with it
+    (one-row K5 80 -> 86, the 16-row union stage kernel 80 -> 90), and 32-row blocks measured 1.01x slower."""
+    return plan.block_m == 16 and not plan.direct and not plan.stage_formats
 
 
 def stage_min_blocks(plan: MoeMmaPlan) -> int:

@@ -110,7 +110,7 @@ __device__ __forceinline__ bool slot_is_local(const Combine& cb, size_t slot, in
 }
 
 #ifndef SUH_PREFETCH
-#define SUH_PREFETCH 1   // 0: gate/up blocks that rotate their inputs read suh without asking L2 for it first
+#define SUH_PREFETCH 0   // 1: gate/up blocks that rotate their inputs ask L2 for their k range's suh first
 #endif
 #ifndef PACKED_EPILOGUE_AHEAD
 #define PACKED_EPILOGUE_AHEAD 0   // 1: packed epilogues read their vectors once, before the row loop
