@@ -154,6 +154,13 @@ def test_decode_variants_follow_block_rows_and_format_count():
                for n in ("moe_gate_up_mma", "moe_down_mma"))
     assert all("PACKED_EPILOGUE_AHEAD" not in dict(kernel_source(p, n)[0]) for p in (packed, direct)
                for n in ("moe_gate_up_mma", "moe_down_mma"))
+    # Packed 16-row gate/up without stages asks L2 for its suh first; down, direct, 32-row and stage kernels do not.
+    assert dict(kernel_source(packed, "moe_gate_up_mma")[0]).get("SUH_PREFETCH") == 1
+    rows32 = moe_mma_layout(uniform, max_slots=64, block_m=32)
+    with_stage = moe_mma_layout(uniform, max_slots=64, block_m=16, stage_formats=((4, 1),))
+    assert all("SUH_PREFETCH" not in dict(kernel_source(p, n)[0])
+               for p, n in ((packed, "moe_down_mma"), (direct, "moe_gate_up_mma"), (rows32, "moe_gate_up_mma"),
+                            (with_stage, "moe_gate_up_mma")))
 
 
 def test_direct_route_limit_depends_on_slots_and_formats():
