@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 os.environ["EXL3MOE_NVRTC_DEFINES"] = "BLOCK_TRACE=1"
 
 LINEAR_CASES = [((768, 2048), "mcg", 1), ((768, 2048), "mcg", 8), ((1408, 4096), "mul1", 8), ((4096, 14336), "mcg", 1)]
-MOE_CASES = [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4)]
+MOE_CASES = [("qwen3-30b-a3b", 1), ("qwen3-30b-a3b", 4), ("glm-4.5-air", 1)]
 KERNELS = {0: "linear", 1: "moe gate_up", 2: "moe down"}
 MARKS = ("tables", "staged", "stored", "arrived", "epilogue", "combine")
 
