@@ -65,3 +65,14 @@ def test_noted_variants_are_rebuilt_for_the_current_sources(tmp_path, monkeypatc
     assert compiles == [(text, defines, "sm_90")]
     assert os.path.isfile(nvrtc.cubin_path(text, defines, "sm_90"))
     assert nvrtc.rebuild_variants() == (0, 1), "a cached variant is not compiled again"
+
+
+def test_source_from_another_directory_expands_its_own_includes(tmp_path):
+    from importlib import resources
+    cuda = resources.files("exl3moe.kernels").joinpath("cuda")
+    for name in ("moe_mma.cu", "trellis_core.cuh", "trellis_ws.cuh"):
+        (tmp_path / name).write_text(cuda.joinpath(name).read_text())
+    assert nvrtc.source("moe_mma.cu", directory=str(tmp_path)) == nvrtc.source("moe_mma.cu")
+    (tmp_path / "trellis_core.cuh").write_text("// another core\n")
+    text = nvrtc.source("moe_mma.cu", directory=str(tmp_path))
+    assert "// another core" in text and "mma_mainloop(" not in text.split("moe_gate_up_mma")[0]

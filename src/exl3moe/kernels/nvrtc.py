@@ -151,16 +151,18 @@ def rebuild_variants() -> tuple:
     return compiled, cached
 
 
-def source(file: str, included: set | None = None) -> str:
-    """kernels/cuda/`file` with its `#include "local.cuh"` lines replaced by those files' text, each file once."""
+def source(file: str, included: set | None = None, directory: str | None = None) -> str:
+    """kernels/cuda/`file` (or `directory`/`file`) with its `#include "local.cuh"` lines replaced by those files'
+    text, each file once."""
     included = set() if included is None else included
     lines = []
-    for line in resources.files(__package__).joinpath("cuda", file).read_text().splitlines():
+    path = os.path.join(directory, file) if directory else resources.files(__package__).joinpath("cuda", file)
+    for line in (open(path).read() if directory else path.read_text()).splitlines():
         if line.startswith('#include "'):
             name = line.split('"')[1]
             if name not in included:
                 included.add(name)
-                lines.append(source(name, included))
+                lines.append(source(name, included, directory))
         elif line.strip() != "#pragma once":
             lines.append(line)
     return "\n".join(lines)
