@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 
-from nvrtc_check import CUOBJDUMP
+from nvrtc_check import res_usage
 
 from exl3moe.kernels import moe_mma, nvrtc
 
@@ -51,11 +51,7 @@ def source_at(rev: str) -> str:
 
 def usage(plan, name: str, extra: dict, text: str) -> str:
     defines, prelude = moe_mma.kernel_source(plan, name)
-    options = {**dict(defines), **extra}
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
-        fh.write(nvrtc.compile_cubin(prelude + text, options, "sm_90"))
-        fh.flush()
-        res = subprocess.run([CUOBJDUMP, "-res-usage", fh.name], capture_output=True, text=True).stdout
+    res = res_usage(prelude + text, {**dict(defines), **extra})
     m = re.search(r"Function %s:\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+)" % name, res)
     return f"{m[1]}r {m[2]}s {int(m[3]) // 1024}K" if m else "?"
 

@@ -13,11 +13,16 @@ from exl3moe.kernels import moe_mma, nvrtc
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def usage(name: str, defines: dict, text: str, arch: str = "sm_90") -> None:
+def res_usage(text: str, defines: dict, arch: str = "sm_90") -> str:
+    """cuobjdump -res-usage of `text` compiled with `defines` for `arch`."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as fh:
         fh.write(nvrtc.compile_cubin(text, defines, arch))
         fh.flush()
-        res = subprocess.run([CUOBJDUMP, "-res-usage", fh.name], capture_output=True, text=True).stdout
+        return subprocess.run([CUOBJDUMP, "-res-usage", fh.name], capture_output=True, text=True).stdout
+
+
+def usage(name: str, defines: dict, text: str, arch: str = "sm_90") -> None:
+    res = res_usage(text, defines, arch)
     lines = [line.split("Function ")[-1] for line in res.splitlines() if "Function" in line or "REG" in line]
     wanted = [f"{a.strip(':')} {b.strip()[:48]}" for a, b in zip(lines[::2], lines[1::2]) if a.startswith(name)]
     print(name, {k: v for k, v in defines.items() if k != "PF"}, *wanted, flush=True)

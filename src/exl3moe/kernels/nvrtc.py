@@ -14,6 +14,7 @@ import functools
 import hashlib
 import json
 import os
+import pathlib
 import tempfile
 from importlib import resources
 
@@ -156,8 +157,8 @@ def source(file: str, included: set | None = None, directory: str | None = None)
     text, each file once."""
     included = set() if included is None else included
     lines = []
-    path = os.path.join(directory, file) if directory else resources.files(__package__).joinpath("cuda", file)
-    for line in (open(path).read() if directory else path.read_text()).splitlines():
+    folder = pathlib.Path(directory) if directory else resources.files(__package__).joinpath("cuda")
+    for line in folder.joinpath(file).read_text().splitlines():
         if line.startswith('#include "'):
             name = line.split('"')[1]
             if name not in included:
