@@ -6,7 +6,30 @@ import pytest
 if "TRITON_INTERPRET" not in os.environ and shutil.which("nvidia-smi") is None:
     os.environ["TRITON_INTERPRET"] = "1"
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+
+def _row_invariant_interpreter_dot() -> None:
+    """The interpreter's tl.dot is numpy's matmul, whose BLAS may sum a row in an order that depends on where the row
+    sits in the tile (OpenBLAS 0.3.31's AVX2 kernels do); a GPU's MMA never does, and the batch-invariance tests
+    check the kernels' own ordering, so floating-point dots run through einsum's loops in fp32 instead."""
+    from triton.runtime import interpreter
+
+    matmul_dot = interpreter.InterpreterBuilder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8 or d.data.dtype != np.float32:
+            return matmul_dot(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.einsum("...mk,...kn->...mn", a.data.astype(np.float32), b.data.astype(np.float32),
+                            optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _row_invariant_interpreter_dot()
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures")
 
