@@ -42,4 +42,9 @@ one_shared = experts(1, 512, 256, [4], ["mcg"])
 for K in (4, 3):   # one-format direct plans reading their combine ahead
     for top_k, T in ((4, 4), (10, 1)):
         moe_plan(experts(16, 512, 384, [K], ["mcg"]), T, top_k, shared=one_shared)
+for inner in ("1", "0"):   # splits inside route blocks against splits outermost
+    os.environ["EXL3MOE_MOE_SPLIT_INNER"] = inner
+    for T, block_m in ((16, 16), (64, 16), (300, 32), (600, 64)):
+        moe_plan(q, T, 8, block_m=block_m)
+os.environ.pop("EXL3MOE_MOE_SPLIT_INNER")
 print("noted")

@@ -57,9 +57,9 @@ def stage_layer(hidden, inter, E):
     return layer(hidden, inter, E, [4], stages=[stage])
 
 
-def main() -> None:
+def main(moe_only: bool = False) -> None:
     pretend_sm90()
-    for (k, n), (K, cb) in ((s, r) for s in LINEAR_SHAPES for r in LINEAR_RATES):
+    for (k, n), (K, cb) in ((s, r) for s in ([] if moe_only else LINEAR_SHAPES) for r in LINEAR_RATES):
         for rows in (1, 8, 32, 128, 512):
             LinearPlan(weight(k, n, K, cb), rows)
     for name, (hidden, inter, E, top_k) in SHAPES.items():
@@ -78,4 +78,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(moe_only="--moe-only" in sys.argv[1:])

@@ -85,9 +85,14 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
                                                                                              else -1]
     block_expert, block_start, offsets, slots = shared_gate_up[3][3:7]
     assert int(offsets[1]) == T and torch.equal(slots[:T], torch.arange(T, dtype=torch.int32))
-    assert shared_gate_up[1][1] == -(-T // plan.shared_block_m) == block_expert.numel() == block_start.numel()
+    shared_rows = shared_gate_up[1][2 if plan.shared_mma.split_inner else 1]
+    assert shared_rows == -(-T // plan.shared_block_m) == block_expert.numel() == block_start.numel()
     down = [call for call in launches if call[0][1] == "moe_down_mma"][-1 if plan.mma.direct else 0]
-    assert routed[1][:2] == (2 * 384 // 128, runner._ws["block_expert"].numel() if not plan.mma.direct else ids.numel())
+    rows = 2 if plan.mma.split_inner else 1   # packed calls of more than 32 slots: splits along y, route blocks z
+    assert plan.mma.split_inner == (not plan.mma.direct)
+    assert (routed[1][0], routed[1][rows]) == (2 * 384 // 128, runner._ws["block_expert"].numel()
+                                               if not plan.mma.direct else ids.numel())
+    assert routed[1][3 - rows] == plan.mma.gate_up_splits and down[1][3 - rows] == plan.mma.down_splits
     assert down[1][0] == 256 // 128, "grid rows are route blocks, their column blocks along x"
     if plan.mma.direct:
         assert routed[3][3] is ids and routed[1][1] == down[1][1] == ids.numel(), "one block per slot, from the ids"

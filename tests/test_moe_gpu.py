@@ -121,6 +121,25 @@ def test_deterministic_and_batch_invariant_at_full_shape(qwen3_layer, T, block_m
         assert not rows, (n, rows[:8], (part.float() - full[:n].float()).abs().max().item())
 
 
+@pytest.mark.parametrize("T, block_m", [(16, 16), (64, 16), (300, 32), (600, 64)])
+def test_splits_inside_route_blocks_give_the_bytes_of_splits_outermost(qwen3_layer, T, block_m, monkeypatch):
+    """Packed grids with a route block's splits along y (its route blocks along z) give the bytes of grids with the
+    splits outermost, call after call."""
+    top_k, H = QWEN3["top_k"], QWEN3["hidden"]
+    x = (torch.randn(T, H, device="cuda") / 32).half()
+    ids, weights = routing(T, QWEN3["experts"], top_k, 40 + T)
+    ids[::3, 5] = -1
+    outs = {}
+    for inner in ("1", "0"):
+        monkeypatch.setenv("EXL3MOE_MOE_SPLIT_INNER", inner)
+        plan = moe_plan(qwen3_layer, T, top_k, block_m=block_m)
+        assert plan.mma.split_inner == (inner == "1")
+        runner = plan.bind(plan.allocate())
+        outs[inner] = [bits(runner.run(x, ids, weights, torch.empty(T, H, device="cuda", dtype=torch.float16)))
+                       for _ in range(2)]
+    assert all(torch.equal(out, outs["0"][0]) for out in outs["1"] + outs["0"])
+
+
 @pytest.mark.parametrize("x_dtype", [torch.float16, torch.bfloat16])
 def test_cuda_and_triton_experts_match_float64(x_dtype, monkeypatch):
     """Routed and shared experts on both backends; 200 tokens take 64-row shared blocks (pre-rotated rows)."""

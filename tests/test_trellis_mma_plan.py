@@ -251,3 +251,23 @@ def test_one_row_calls_that_fit_one_wave_at_seven_blocks_per_sm_get_registers_fo
     assert one_wave_min_blocks(True, 8, blocks, sms) == 0, "the whole-split prefetch needs its registers"
     assert one_wave_min_blocks(True, PREFETCH, 6 * sms, sms) == 0, "fits one wave at 6 per SM already"
     assert one_wave_min_blocks(True, PREFETCH, 7 * sms + 1, sms) == 0, "two waves either way"
+
+
+def test_packed_calls_past_small_ones_launch_a_route_blocks_splits_together(monkeypatch):
+    from helpers import random_experts
+
+    from exl3moe.kernels.moe_mma import _grid, kernel_source, moe_mma_layout, split_inner_grid
+
+    layer = random_experts(8, 256, 256, K=4, codebook="mcg")
+    packed = moe_mma_layout(layer, max_slots=64, block_m=16)
+    assert split_inner_grid(packed)
+    inner = replace(packed, split_inner=True)
+    assert all(dict(kernel_source(inner, n)[0])["SPLIT_INNER"] == 1 for n in ("moe_gate_up_mma", "moe_down_mma"))
+    assert _grid(inner, 10, 4, 3) == (4, 3, 10) and _grid(packed, 10, 4, 3) == (4, 10, 3)
+    assert "SPLIT_INNER" not in dict(kernel_source(packed, "moe_gate_up_mma")[0])
+    small = moe_mma_layout(layer, max_slots=32, block_m=16)
+    direct = moe_mma_layout(layer, max_slots=8, block_m=16, direct=True)
+    assert small.small_call and not split_inner_grid(small) and not split_inner_grid(direct)
+    assert not split_inner_grid(replace(packed, ws=True)) and not split_inner_grid(replace(packed, route_major=False))
+    monkeypatch.setenv("EXL3MOE_MOE_SPLIT_INNER", "0")
+    assert not split_inner_grid(packed)

@@ -30,7 +30,7 @@ STAGE_32_ROW_MIN_BLOCKS = 5  # a stage plan's 32-row kernels (stage_min_blocks)
 # per SM: one mainloop (where ptxas fits it without a spill), more mainloops (direct_down_defines, _kernel).
 DIRECT_COMBINE_AHEAD, DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED = 8, 8, 7
 SMALL_CALL_SLOTS, SMALL_CALL_UNROLL = 32, 2  # calls of so few slots run every block at once: smallest mainloops
-MAX_GRID_ROWS = 65535  # gridDim.y: gate/up and down launch one grid row per route block (column blocks along x)
+MAX_GRID_ROWS = 65535  # gridDim.y (z with split_inner): gate/up and down launch one grid row per route block
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
 STAGE_MAX_K2 = 8
 PRE_ROTATE_BLOCK_M = 64
@@ -62,6 +62,7 @@ class MoeMmaPlan:
     small_call: bool = False  # at most SMALL_CALL_SLOTS slots per call
     one_wave: bool = False  # direct, and a full call's gate/up blocks fit at DIRECT_GATE_UP_MIN_BLOCKS per SM
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
+    split_inner: bool = False  # route-major grids with splits along y and route blocks along z (split_inner_grid)
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -169,10 +170,20 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
                        ws_gate_up=plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1",
                        ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
                        ws_stages=ws_stages())
+    plan = replace(plan, split_inner=split_inner_grid(plan))
     gate_up = "moe_gate_up_ws" if plan.ws_gate_up else "moe_gate_up_mma"
     return replace(plan, gate_up_kernel=_kernel(plan, gate_up, experts.device),
                    down_kernel=_kernel(plan, "moe_down_ws" if plan.ws_down else "moe_down_mma", experts.device),
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
+
+
+def split_inner_grid(plan: MoeMmaPlan) -> bool:
+    """Packed mma.sync plans of more than SMALL_CALL_SLOTS slots launch a route block's splits together (SPLIT_INNER):
+    the blocks in flight then span fewer route blocks, so fewer experts' formats share the instruction cache. Direct
+    and small calls keep the splits outermost (there the inner order measured slower); EXL3MOE_MOE_SPLIT_INNER=0
+    keeps it everywhere."""
+    return (plan.route_major and not plan.direct and not plan.ws and not plan.small_call
+            and os.environ.get("EXL3MOE_MOE_SPLIT_INNER", "1") != "0")
 
 
 def mainloop_unroll(formats: int, mt: int, small_call: bool) -> tuple:
@@ -241,6 +252,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     defines += (("MIN_BLOCKS", stage_min_blocks(plan)),) if stage_min_blocks(plan) else ()
     defines += direct_down_defines(plan) if name == "moe_down_mma" else ()
     defines += (("SUH_PREFETCH", 1),) if suh_prefetch(plan) and gate_up else ()
+    defines += (("SPLIT_INNER", 1),) if plan.split_inner else ()
     # Packed kernels of many formats read their epilogue vectors once per block (ptxas then gives them fewer
     # registers); kernels of few formats keep the per-row reads (the hoisted vectors cost them a spill).
     defines += (("PACKED_EPILOGUE_AHEAD", 1),) if not plan.direct and len(formats) >= MIXED_MIN_FORMATS else ()
@@ -325,7 +337,10 @@ def moe_rotate_input(hidden, x_rot, route, top_k, tables, plan: MoeMmaPlan, grid
 
 
 def _grid(plan: MoeMmaPlan, route_blocks: int, column_blocks: int, splits: int) -> tuple:
-    """Route-major: a route block's column blocks are consecutive blocks, so the GPU runs few formats at a time."""
+    """Route-major: a route block's column blocks are consecutive blocks, so the GPU runs few formats at a time
+    (and with split_inner its splits too)."""
+    if plan.split_inner:
+        return column_blocks, splits, route_blocks
     return (column_blocks, route_blocks, splits) if plan.route_major else (route_blocks, column_blocks, splits)
 
 

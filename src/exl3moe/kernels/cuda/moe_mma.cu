@@ -49,8 +49,15 @@ __device__ __forceinline__ float activate(float g, float u, int activation, int 
 #endif
 // Grids of gate/up and down: ROUTE_MAJOR puts column blocks along x, so a route block's (one expert's, one format's
 // code) run as consecutive blocks; else route blocks along x.
-__device__ __forceinline__ int route_block_index() { return ROUTE_MAJOR ? blockIdx.y : blockIdx.x; }
+#ifndef SPLIT_INNER
+#define SPLIT_INNER 0   // 1 (route-major grids): splits along y and route blocks along z, so a route block runs at once
+#endif
+static_assert(!SPLIT_INNER || ROUTE_MAJOR, "splits go inside the route blocks of a route-major grid");
+__device__ __forceinline__ int route_block_index() {
+    return SPLIT_INNER ? blockIdx.z : ROUTE_MAJOR ? blockIdx.y : blockIdx.x;
+}
 __device__ __forceinline__ int column_block_index() { return ROUTE_MAJOR ? blockIdx.x : blockIdx.y; }
+__device__ __forceinline__ int split_index() { return SPLIT_INNER ? blockIdx.y : blockIdx.z; }
 
 // Expert, first sorted position and row count (<= BLOCK_M) of route block b; false for an unused block.
 // DIRECT_ROUTE: block b is flat slot b alone (one row at position b) and `block_expert` holds topk_ids (int64
@@ -523,7 +530,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const int proj = column & 1, cblock = column >> 1;
     const int index = proj * num_experts + expert;
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[index]);
-    const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
+    const int split = split_index(), kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
     const size_t split_stride = (size_t)2 * capacity * inter;
 #if !WS && !PRE_ROTATED && SUH_PREFETCH
     // The input scales of the block's k range, asked of L2 before the weights: every chunk's staging reads them.
@@ -666,13 +673,13 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     if (!route_block(b, block_expert, block_start, offsets, combine.ids_64, num_experts, expert, start, nrows)) {
 #if DIRECT_ROUTE
         // A slot of an expert that lives elsewhere still counts towards its token's combine.
-        if (blockIdx.z == 0) combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
+        if (split_index() == 0) combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
 #endif
         return;
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int index = 2 * num_experts + expert;
-    const int split = blockIdx.z, kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
+    const int split = split_index(), kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
     const size_t split_stride = (size_t)capacity * hidden;
     const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 
