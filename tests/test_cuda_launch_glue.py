@@ -40,13 +40,14 @@ def launches(monkeypatch):
     monkeypatch.setattr(nvrtc, "kernel",
                         lambda file, name, defines, index, prelude="", arch_suffix="": (file, name, prelude))
     monkeypatch.setattr(nvrtc, "launch",
-                        lambda func, grid, block, args, shared=0: recorded.append((func, grid, block, args)))
+                        lambda func, grid, block, args, shared=0, early=False: recorded.append((func, grid, block,
+                                                                                                  args, early)))
     monkeypatch.setattr(nvrtc, "local_bytes", lambda func: 0)
     return recorded
 
 
 def check(recorded):
-    for (file, name, _), grid, block, args in recorded:
+    for (file, name, _), grid, block, args, _ in recorded:
         assert [kind(a) for a in args] == signature(file, name), name
         assert all(g >= 1 for g in grid) and block % 32 == 0 and block <= 1024, (name, grid, block)
 
@@ -145,8 +146,8 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
     if single_split:
         monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
     shared_bytes = []
-    monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0: (
-        launches.append((func, grid, block, args)), shared_bytes.append(shared)))
+    monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
+        launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
     g = torch.Generator().manual_seed(4)
     experts = random_experts(8, 256, 384, K=[4, 2.5, 3, 2] * 2, codebook=["mcg", "mul1", "3inst", "mcg"] * 2,
                              generator=g)
@@ -169,7 +170,7 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
     for name in ("rotate", "gate_up", "down"):
         calls[name]()
     check(launches)
-    for (func, grid, block, args), shared in zip(launches, shared_bytes):
+    for (func, grid, block, args, _), shared in zip(launches, shared_bytes):
         name = func[1]
         if name in ("moe_gate_up_ws", "moe_down_ws"):
             assert grid == (5, 1, 1) and block == moe_mma.WS_THREADS, name
@@ -245,8 +246,9 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
     tm._launch_ws(x, w, torch.empty(8, 100, 1792), torch.zeros(64, dtype=torch.int32), torch.empty(100, 1792).half(),
                   tiles)
     check(launches)
-    (func, grid, block, args), = launches
+    (func, grid, block, args, early), = launches
     assert func[1] == "trellis_ws" and block == tm.WS_THREADS == 768 and args[-1] == expected_spb
+    assert not early, "the linear has no programmatic dependent launch"
     assert grid == (1792 // 128, -(-8 // expected_spb), 1), "every (128 columns, split group, 128 rows)"
 
 
@@ -282,3 +284,29 @@ def test_mixed_kernels_of_small_calls_compile_the_smallest_mainloops(slots, mixe
 
 def test_sm_count_is_zero_off_cuda():
     assert nvrtc.sm_count(torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("T", [3, 40])
+def test_down_launches_as_a_dependent_of_its_gate_up_on_sm90(launches, monkeypatch, T):
+    """Routed and shared down go out as programmatic dependents of the gate/up just before them, both kernels built
+    with EARLY_LAUNCH (gate/up lets them start, down waits before reading h_rot); nothing else launches early."""
+    from exl3moe.kernels.moe_mma import kernel_source
+
+    assert not moe_mma.early_launch(torch.device("cpu"))
+    monkeypatch.setattr(moe_mma, "early_launch", lambda device: True)
+    g = torch.Generator().manual_seed(5)
+    experts = random_experts(8, 256, 384, K=[4, 3] * 4, codebook="mcg", generator=g)
+    shared = random_experts(1, 256, 256, K=3, codebook="mcg", generator=g, name="shared")
+    plan = moe_plan(experts, T, 2, shared=shared)
+    assert plan.mma.early_down and plan.shared_mma.early_down
+    assert all(dict(kernel_source(plan.mma, n)[0])["EARLY_LAUNCH"] == 1 for n in ("moe_gate_up_mma", "moe_down_mma"))
+    runner = plan.bind(plan.allocate())
+    calls = runner.chunk_launches(torch.randn(T, 256).half(), torch.randint(0, 8, (T, 2), generator=g,
+                                                                            dtype=torch.int32),
+                                  torch.rand(T, 2, generator=g), torch.empty(T, 256).half())
+    for name, call in calls.items():
+        if name not in ("route_pack", "combine"):
+            call()
+    order = [(func[1], early) for func, *_, early in launches]
+    assert [early for _, early in order] == [name == "moe_down_mma" for name, _ in order]
+    assert all(a == "moe_gate_up_mma" for (a, _), (b, _) in zip(order, order[1:]) if b == "moe_down_mma")

@@ -63,6 +63,7 @@ class MoeMmaPlan:
     one_wave: bool = False  # direct, and a full call's gate/up blocks fit at DIRECT_GATE_UP_MIN_BLOCKS per SM
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
     split_inner: bool = False  # route-major grids with splits along y and route blocks along z (split_inner_grid)
+    early_down: bool = False  # down launched while gate/up finishes (EARLY_LAUNCH; early_launch)
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -170,11 +171,20 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
                        ws_gate_up=plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1",
                        ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
                        ws_stages=ws_stages())
-    plan = replace(plan, split_inner=split_inner_grid(plan))
+    plan = replace(plan, split_inner=split_inner_grid(plan),
+                   early_down=not plan.ws_down and early_launch(experts.device))
     gate_up = "moe_gate_up_ws" if plan.ws_gate_up else "moe_gate_up_mma"
     return replace(plan, gate_up_kernel=_kernel(plan, gate_up, experts.device),
                    down_kernel=_kernel(plan, "moe_down_ws" if plan.ws_down else "moe_down_mma", experts.device),
                    rotate_kernel=_kernel(plan, "moe_rotate_input", experts.device) if plan.pre_rotate else None)
+
+
+def early_launch(device: torch.device) -> bool:
+    """Down launches as a programmatic dependent of gate/up (sm_90+): its blocks start once every gate/up block has,
+    ask for their first weight words, and wait for gate/up's completion before reading h_rot.
+    EXL3MOE_MOE_EARLY_DOWN=0 launches it after gate/up."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            and os.environ.get("EXL3MOE_MOE_EARLY_DOWN", "1") != "0")
 
 
 def split_inner_grid(plan: MoeMmaPlan) -> bool:
@@ -253,6 +263,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     defines += direct_down_defines(plan) if name == "moe_down_mma" else ()
     defines += (("SUH_PREFETCH", 1),) if suh_prefetch(plan) and gate_up else ()
     defines += (("SPLIT_INNER", 1),) if plan.split_inner else ()
+    defines += (("EARLY_LAUNCH", 1),) if plan.early_down and name in ("moe_gate_up_mma", "moe_down_mma") else ()
     # Packed kernels of many formats read their epilogue vectors once per block (ptxas then gives them fewer
     # registers); kernels of few formats keep the per-row reads (the hoisted vectors cost them a spill).
     defines += (("PACKED_EPILOGUE_AHEAD", 1),) if not plan.direct and len(formats) >= MIXED_MIN_FORMATS else ()
@@ -391,4 +402,4 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
     nvrtc.launch(plan.down_kernel, _grid(plan, grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,
                   tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I, partial, capacity,
-                  counters, plan.down_ktiles, plan.down_splits, *combine_args])
+                  counters, plan.down_ktiles, plan.down_splits, *combine_args], early=plan.early_down)

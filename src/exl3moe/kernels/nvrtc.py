@@ -228,9 +228,11 @@ def allow_non_portable_clusters(func) -> None:
         _non_portable.add(int(func))
 
 
-def launch(func, grid: tuple, block: int, args: list, shared: int = 0) -> None:
+def launch(func, grid: tuple, block: int, args: list, shared: int = 0, early: bool = False) -> None:
     """Launch on torch's current stream; args are tensors or None (pointers), ints or floats; `shared` bytes of
-    dynamic shared memory (the function's limit is raised once where it exceeds the default 48 KB)."""
+    dynamic shared memory (the function's limit is raised once where it exceeds the default 48 KB). `early`: a
+    programmatic dependent launch of the stream's previous kernel (sm_90+), for kernels that wait for it
+    (griddepcontrol.wait) before reading what it wrote."""
     driver, _ = _bindings()
     if shared > _shared_limits.get(int(func), _DEFAULT_SHARED_LIMIT):
         attribute = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
@@ -251,5 +253,22 @@ def launch(func, grid: tuple, block: int, args: list, shared: int = 0) -> None:
             values.append(int(a))
             types.append(ctypes.c_int)
     stream = driver.CUstream(torch.cuda.current_stream().cuda_stream)
+    if early:
+        _check(driver.cuLaunchKernelEx(_early_config(driver, grid, block, shared, stream), func,
+                                       (tuple(values), tuple(types)), 0), "cuLaunchKernelEx")
+        return
     _check(driver.cuLaunchKernel(func, *grid, block, 1, 1, shared, stream, (tuple(values), tuple(types)), 0),
            "cuLaunchKernel")
+
+
+def _early_config(driver, grid: tuple, block: int, shared: int, stream):
+    """A launch configuration with programmatic stream serialization allowed."""
+    attribute = driver.CUlaunchAttribute()
+    attribute.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attribute.value.programmaticStreamSerializationAllowed = 1
+    config = driver.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes, config.hStream = shared, stream
+    config.attrs, config.numAttrs = [attribute], 1
+    return config

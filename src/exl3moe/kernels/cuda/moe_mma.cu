@@ -116,6 +116,23 @@ __device__ __forceinline__ bool slot_is_local(const Combine& cb, size_t slot, in
     return id >= 0 && id < num_experts;
 }
 
+#ifndef EARLY_LAUNCH
+#define EARLY_LAUNCH 0   // 1: down launches while gate/up finishes (programmatic dependent launch, sm_90)
+#endif
+// gate/up lets its dependent launch once all of its blocks have started; down waits for gate/up's completion (and
+// its memory) before it reads what gate/up wrote. Both are no-ops without EARLY_LAUNCH.
+__device__ __forceinline__ void let_dependents_launch() {
+#if EARLY_LAUNCH && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void wait_for_prerequisite_grid() {
+#if EARLY_LAUNCH && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 #ifndef SUH_PREFETCH
 #define SUH_PREFETCH 0   // 1: gate/up blocks that rotate their inputs ask L2 for their k range's suh first
 #endif
@@ -520,6 +537,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 int splits, int activation, int has_limit, float limit, const unsigned short* __restrict__ x_rot,
                 int ids_64) {
     TRACE_BEGIN;
+    let_dependents_launch();
 #if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
 #endif
@@ -673,6 +691,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     if (!route_block(b, block_expert, block_start, offsets, combine.ids_64, num_experts, expert, start, nrows)) {
 #if DIRECT_ROUTE
         // A slot of an expert that lives elsewhere still counts towards its token's combine.
+        wait_for_prerequisite_grid();
         if (split_index() == 0) combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
 #endif
         return;
@@ -683,7 +702,8 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     const size_t split_stride = (size_t)capacity * hidden;
     const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 
-    auto stage = [&](int c0) {   // h_rot rows: rotated input
+    auto stage = [&](int c0) {   // h_rot rows: rotated input, once gate/up has written them
+        if (c0 == kt0) wait_for_prerequisite_grid();
         copy_rows(xs, h_rot, start, nrows, inter, c0);
         if (c0 == kt0) TRACE_MARK(1);
     };
