@@ -47,4 +47,10 @@ for inner in ("1", "0"):   # splits inside route blocks against splits outermost
     for T, block_m in ((16, 16), (64, 16), (300, 32), (600, 64)):
         moe_plan(q, T, 8, block_m=block_m)
 os.environ.pop("EXL3MOE_MOE_SPLIT_INNER")
+moe_plan(q, 16, 8, out_dtype=torch.float16)   # replays of calls whose every id lives elsewhere
+moe_plan(q, 1, 8, out_dtype=torch.float16)
+moe_plan(q, 1024, 8, shared=experts(1, 2048, 1024, [4], ["mcg"]), slot_capacity=4096)   # chunked, shared
+for T, block_m in ((300, 32), (200, 16), (600, 64), (1024, 128)):   # determinism at every block size
+    moe_plan(q, T, 8, block_m=block_m)
+moe_plan(q, 16, 8, stage_capacity=2, max_stage_bits=3, stage_codebooks=["mcg", "mul1"])   # stage hot swap
 print("noted")

@@ -100,6 +100,30 @@ def test_graph_capture_and_replay_with_new_ids(qwen3_layer):
         assert torch.equal(bits(out), bits(eager))
 
 
+@pytest.mark.parametrize("T", [1, 16])
+def test_replays_of_calls_whose_every_id_lives_elsewhere_between_ordinary_ones(qwen3_layer, T):
+    """A captured call whose ids all lie outside [0, E) writes zeros and leaves the workspace as it found it: the
+    next replay with real ids gives a fresh eager run's bytes (an early down never completes before its gate/up)."""
+    top_k, H, E = QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
+    plan = moe_plan(qwen3_layer, T, top_k, out_dtype=torch.float16)
+    runner = plan.bind(plan.allocate())
+    x = (torch.randn(T, H, device="cuda") / 32).half()
+    real, weights = routing(T, E, top_k, 50 + T)
+    ids = real.clone()
+    out = torch.empty(T, H, device="cuda", dtype=torch.float16)
+    expected = bits(runner.run(x, real, weights, torch.empty_like(out))).clone()
+    graph = capture_allocation_free(lambda: runner.run(x, ids, weights, out), out)
+    for _ in range(3):
+        ids.fill_(E + 5)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.any()
+        ids.copy_(real)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), expected)
+
+
 @pytest.mark.parametrize("T, block_m, backend", [(300, 32, "0"), (200, 16, "1"), (300, 32, "1"), (600, 64, "1"),
                                                  (1024, 128, "1")])
 def test_deterministic_and_batch_invariant_at_full_shape(qwen3_layer, T, block_m, backend, monkeypatch):

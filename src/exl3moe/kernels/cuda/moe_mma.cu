@@ -693,6 +693,10 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
         // A slot of an expert that lives elsewhere still counts towards its token's combine.
         wait_for_prerequisite_grid();
         if (split_index() == 0) combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
+#else
+        // Block 0 waits even without rows, so that down never completes before gate/up (the stream's next kernels
+        // wait for down alone), even in a call whose every id lives elsewhere.
+        if (blockIdx.x + blockIdx.y + blockIdx.z == 0) wait_for_prerequisite_grid();
 #endif
         return;
     }
