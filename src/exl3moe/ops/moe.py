@@ -5,12 +5,13 @@ Per chunk of tokens (chunk size fixed by the plan, so the launch sequence depend
     route_pack   (1 or 3 launches)  expert histogram, offsets, stable sort of slots, route-block tables
     rotate       (CUDA experts, 64+ row route blocks) gate and up inputs rotated once per routed row
     gate/up      (1 launch)         h_rot[pos] = rotated down input of act(gate(x), up(x)), fp16
-    down         (1 launch)         y[slot] = down(h), fp32, unweighted
+    down         (1 launch)         y[slot] = down(h), fp32, unweighted (sm_90: starts early, waits for gate/up)
     shared       (2-3 launches, optional) the shared expert's (rotate,) gate/up and down over the chunk's tokens
     combine      (1 launch)         out[t] = sum_j w[t, j] y[t*top_k + j] (+ shared[t]) in slot order
 
-A plan of at most 16 slots (8 for layers of four or more formats) on the CUDA experts routes directly: the shared expert first, then gate/up and
-down over one block per slot read from topk_ids (no route pack), down's last block of each token combining it.
+A plan of at most 16 slots (8 for layers of four or more formats) on the CUDA experts routes directly: the shared
+expert first, then gate/up and down over one block per slot read from topk_ids (no route pack), down's last block of
+each token combining it.
 
 Workspace: h_rot [capacity, I] fp16, y [capacity, H] fp32, the route tables, and the shared expert's
 [chunk tokens, I_s] fp16 and [chunk tokens, H] fp32, with capacity = chunk tokens x top_k slots: calls
