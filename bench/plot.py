@@ -65,7 +65,8 @@ SHOWN_SHAPES = ((4096, 14336), (2048, 768), (4096, 1408), (1408, 4096))
 def stage_table(doc):
     res = [r for r in doc["results"] if "stages" in r]
     base = {r["tokens"]: r["us"] for r in res if r["stages"] == "base"}
-    out = ["| tokens | base us | zero-stage us | K2 stage on all experts us | on a quarter us |", "|---|---|---|---|---|"]
+    out = ["| tokens | base us | zero-stage us | K2 stage on all experts us | on a quarter us |",
+           "|---|---|---|---|---|"]
     for T in sorted(base):
         row = {r["stages"]: r["us"] for r in res if r["tokens"] == T}
         out.append(f"| {T} | {row['base']} | {row['zero-stage']} ({row['zero-stage'] / row['base']:.2f}x) | "
@@ -75,7 +76,8 @@ def stage_table(doc):
 
 
 def linear_table(doc):
-    out = ["| shape | codebook | K | rows | exl3moe us | fp16 us | ratio | exllamav3 us |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| shape | codebook | K | rows | exl3moe us | fp16 us | ratio | exllamav3 us |",
+           "|---|---|---|---|---|---|---|---|"]
     shown = [r for r in doc["results"] if r["K"] == 4 and r["codebook"] in ("mcg", "mul1")
              and (r["k"], r["n"]) in SHOWN_SHAPES]
     for r in sorted(shown, key=lambda r: (SHOWN_SHAPES.index((r["k"], r["n"])), r["codebook"], r["rows"])):

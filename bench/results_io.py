@@ -15,7 +15,8 @@ def merge_results(old: list, new: list, fields: tuple) -> list:
 
 
 def save_results(path: str, results: list, fields: tuple, merge: bool = False) -> None:
-    """Write `results` with this run's GPU and versions; with merge, keep the file's entries this run does not replace."""
+    """Write `results` with this run's GPU and versions; with merge, keep the file's entries this run does not
+    replace."""
     if merge and os.path.exists(path):
         with open(path) as fh:
             results = merge_results(json.load(fh)["results"], results, fields)

@@ -70,7 +70,8 @@ def main(args):
         line = " ".join(f"{name} {time_graph([call], replays=20):7.1f}" for name, call in parts.items())
         splits = (plan.mma.gate_up_splits, plan.mma.down_splits) if plan.mma else plan.gate_up_splits
         line += f" (block_m {plan.block_m}, splits {splits})"
-        print(f"{args.shape} K{args.Ks or args.K}{' contiguous' if args.contiguous else ''} T={T:5d} whole {whole:8.1f} us | {line}", flush=True)
+        layout = " contiguous" if args.contiguous else ""
+        print(f"{args.shape} K{args.Ks or args.K}{layout} T={T:5d} whole {whole:8.1f} us | {line}", flush=True)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from exl3moe.ops.modules import EXL3Linear
 
 from helpers import random_weight
 
-COMBOS = [(K, cb) for cb in ("3inst", "mcg", "mul1") for K in range(1, 9)] + [(1.5, "mul1"), (2.5, "mul1"), (3.5, "mul1")]
+COMBOS = [(K, cb) for cb in ("3inst", "mcg", "mul1") for K in range(1, 9)] + [(1.5, "mul1"), (2.5, "mul1"),
+                                                                             (3.5, "mul1")]
 interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 

@@ -18,7 +18,8 @@ MIXED_CODEBOOK = ["3inst", "mcg", "mul1", "3inst", "mcg", "mul1", "mul1", "mul1"
 OTHER_K = [1, 7, 3.5, 3, 2, 8, 2.5, 1.5]
 OTHER_CODEBOOK = ["mcg", "3inst", "mul1", "mul1", "mcg", "3inst", "mul1", "mul1"]
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under TRITON_INTERPRET=1 (conftest sets it where no GPU is present)")
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU kernel tests run under "
+                                "TRITON_INTERPRET=1 (conftest sets it where no GPU is present)")
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:

@@ -11,6 +11,7 @@ from .ops.router import Router, sigmoid_topk, softmax_topk
 from .ops.tables import MOE_ADDITIVE_ABI_VERSION
 
 __version__ = "0.1.0"
-__all__ = ["ContractError", "EXL3Linear", "EXL3MoE", "Router", "sigmoid_topk", "softmax_topk", "EXL3Weight", "ExpertSet", "FormatError", "LinearPlan", "MOE_ADDITIVE_ABI_VERSION",
-           "MoEPlan", "ResidualStage", "decode", "dense_weight", "fused_experts", "linear", "linear_plan", "moe_plan", "open_checkpoint",
-           "reference", "write_checkpoint", "__version__"]
+__all__ = ["ContractError", "EXL3Linear", "EXL3MoE", "Router", "sigmoid_topk", "softmax_topk", "EXL3Weight",
+           "ExpertSet", "FormatError", "LinearPlan", "MOE_ADDITIVE_ABI_VERSION", "MoEPlan", "ResidualStage", "decode",
+           "dense_weight", "fused_experts", "linear", "linear_plan", "moe_plan", "open_checkpoint", "reference",
+           "write_checkpoint", "__version__"]
