@@ -53,4 +53,16 @@ moe_plan(q, 1024, 8, shared=experts(1, 2048, 1024, [4], ["mcg"]), slot_capacity=
 for T, block_m in ((300, 32), (200, 16), (600, 64), (1024, 128)):   # determinism at every block size
     moe_plan(q, T, 8, block_m=block_m)
 moe_plan(q, 16, 8, stage_capacity=2, max_stage_bits=3, stage_codebooks=["mcg", "mul1"])   # stage hot swap
+from exl3moe.kernels import moe_mma
+limits = moe_mma.DIRECT_MAX_SLOTS, moe_mma.DIRECT_MAX_SLOTS_MIXED
+moe_mma.DIRECT_MAX_SLOTS = moe_mma.DIRECT_MAX_SLOTS_MIXED = 64   # direct small calls, raised to 64 slots
+moe_plan(q, 8, 8, shared=experts(1, 2048, 768, [4], ["mcg"]))
+moe_mma.DIRECT_MAX_SLOTS, moe_mma.DIRECT_MAX_SLOTS_MIXED = limits
+moe_plan(q, 300, 8, block_m=128)   # pre-rotated inputs
+quarter = ResidualStage(res(q.gate, 2, "mcg"), res(q.up, 2, "mcg"), res(q.down, 2, "mcg"), torch.zeros(128, 3))
+moe_mma.uses_ws = lambda block_m, device: block_m == 128 and os.environ.get("EXL3MOE_MOE_WS", "1") != "0"
+for ws in ("0", "1"):   # warp-specialized experts against mma.sync
+    os.environ["EXL3MOE_MOE_WS"] = ws
+    moe_plan(ExpertSet(q.gate, q.up, q.down, "silu", stages=[quarter]), 300, 8, block_m=128)
+os.environ.pop("EXL3MOE_MOE_WS")
 print("noted")
