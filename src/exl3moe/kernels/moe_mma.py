@@ -64,6 +64,7 @@ class MoeMmaPlan:
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
     split_inner: bool = False  # route-major grids with splits along y and route blocks along z (split_inner_grid)
     early_down: bool = False  # down launched while gate/up finishes (EARLY_LAUNCH; early_launch)
+    early_gate_up: bool = False  # gate/up launched while the previous expert set's down finishes (EARLY_GATE_UP)
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -160,8 +161,10 @@ def uses_ws(block_m: int, device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (), direct: bool = False) -> MoeMmaPlan:
-    """moe_mma_layout, with both kernels compiled for the layer's formats."""
+def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (), direct: bool = False,
+                 after_down: bool = False) -> MoeMmaPlan:
+    """moe_mma_layout, with both kernels compiled for the layer's formats; `after_down`: gate/up follows another
+    expert set's moe_down_mma in the stream (early_gate_up)."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
     blocks = max_slots * (2 * experts.intermediate_size // 128) * plan.gate_up_splits
     plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0",
@@ -171,8 +174,9 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
                        ws_gate_up=plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1",
                        ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
                        ws_stages=ws_stages())
-    plan = replace(plan, split_inner=split_inner_grid(plan),
-                   early_down=not plan.ws_down and early_launch(experts.device))
+    early = early_launch(experts.device)
+    plan = replace(plan, split_inner=split_inner_grid(plan), early_down=not plan.ws_down and early,
+                   early_gate_up=early and after_down and not plan.pre_rotate and not plan.ws_gate_up)
     gate_up = "moe_gate_up_ws" if plan.ws_gate_up else "moe_gate_up_mma"
     return replace(plan, gate_up_kernel=_kernel(plan, gate_up, experts.device),
                    down_kernel=_kernel(plan, "moe_down_ws" if plan.ws_down else "moe_down_mma", experts.device),
@@ -181,8 +185,10 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
 
 def early_launch(device: torch.device) -> bool:
     """Down launches as a programmatic dependent of gate/up (sm_90+): its blocks start once every gate/up block has,
-    ask for their first weight words, and wait for gate/up's completion before reading h_rot.
-    EXL3MOE_MOE_EARLY_DOWN=0 launches it after gate/up."""
+    ask for their first weight words, and wait for gate/up's completion before reading h_rot. A gate/up right after
+    another expert set's down (the shared expert's, or the routed one's) launches early too: it reads nothing that
+    down writes, and its block 0 waits for down before it leaves, so that the chain completes in order.
+    EXL3MOE_MOE_EARLY_DOWN=0 launches every kernel after the previous one."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
             and os.environ.get("EXL3MOE_MOE_EARLY_DOWN", "1") != "0")
 
@@ -263,7 +269,9 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     defines += direct_down_defines(plan) if name == "moe_down_mma" else ()
     defines += (("SUH_PREFETCH", 1),) if suh_prefetch(plan) and gate_up else ()
     defines += (("SPLIT_INNER", 1),) if plan.split_inner else ()
-    defines += (("EARLY_LAUNCH", 1),) if plan.early_down and name in ("moe_gate_up_mma", "moe_down_mma") else ()
+    early = plan.early_down or plan.early_gate_up
+    defines += (("EARLY_LAUNCH", 1),) if early and name in ("moe_gate_up_mma", "moe_down_mma") else ()
+    defines += (("EARLY_GATE_UP", 1),) if plan.early_gate_up and name == "moe_gate_up_mma" else ()
     # Packed kernels of many formats read their epilogue vectors once per block (ptxas then gives them fewer
     # registers); kernels of few formats keep the per-row reads (the hoisted vectors cost them a spill).
     defines += (("PACKED_EPILOGUE_AHEAD", 1),) if not plan.direct and len(formats) >= MIXED_MIN_FORMATS else ()
@@ -377,7 +385,7 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
                   tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, partial, capacity, h_rot,
                   counters, plan.gate_up_ktiles, plan.gate_up_splits, ACTIVATIONS[tables.activation],
                   int(tables.limit is not None), limit, x_rot, ids_64],
-                 shared=ws_shared_bytes(plan, "moe_gate_up_mma") if plan.ws else 0)
+                 shared=ws_shared_bytes(plan, "moe_gate_up_mma") if plan.ws else 0, early=plan.early_gate_up)
 
 
 DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}

@@ -160,7 +160,10 @@ class MoEPlan:
         ]
         # CUDA C++ experts where they can run (compiled here, before any capture); the Triton kernels otherwise.
         direct = direct_route(S, self.block_m, format_count(experts))
-        self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_formats, direct) if cuda else None
+        shared_cuda = shared is not None and nvrtc.available(self.device) and supported(shared, 0)
+        # A direct plan runs the shared expert first, so its gate/up follows the shared down.
+        self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_formats, direct,
+                                after_down=direct and shared_cuda) if cuda else None
         if self.mma is not None:
             # A direct plan's blocks are its slots (more than max_blocks when E < S).
             self._layout += _mma_layout("mma_", self.mma, S, max(S, max_blocks) if direct else max_blocks, H, I)
@@ -174,9 +177,12 @@ class MoEPlan:
         if shared is not None:
             self._layout += [("shared_h_rot", self.chunk_tokens * shared.intermediate_size, torch.float16),
                              ("shared_y", self.chunk_tokens * H, torch.float32)]
-            if nvrtc.available(self.device) and supported(shared, 0):
+            if shared_cuda:
                 self.shared_block_m = route_block_rows(self.chunk_tokens, 1, CUDA_MAX_BLOCK_M)
-                self.shared_mma = plan_moe_mma(shared, self.chunk_tokens, self.shared_block_m)
+                # A packed plan runs the shared expert after the routed down.
+                after_down = self.mma is not None and not self.mma.direct and not self.mma.ws_down
+                self.shared_mma = plan_moe_mma(shared, self.chunk_tokens, self.shared_block_m,
+                                               after_down=after_down)
                 blocks = triton.cdiv(self.chunk_tokens, self.shared_block_m)
                 self._layout += _mma_layout("shared_mma_", self.shared_mma, self.chunk_tokens, blocks, H,
                                             shared.intermediate_size)

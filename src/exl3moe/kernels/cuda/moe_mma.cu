@@ -133,6 +133,18 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #endif
 }
 
+#ifndef EARLY_GATE_UP
+#define EARLY_GATE_UP 0   // 1 (with EARLY_LAUNCH): gate/up launched early after the previous expert set's down
+#endif
+// An early gate/up reads nothing its prerequisite writes, but must not complete before it: the kernels after it
+// wait for it alone. Block 0 waits for the prerequisite when it leaves, wherever it returns.
+struct PrerequisiteOnExit {
+    bool wait;
+    __device__ __forceinline__ ~PrerequisiteOnExit() {
+        if (wait) wait_for_prerequisite_grid();
+    }
+};
+
 #ifndef SUH_PREFETCH
 #define SUH_PREFETCH 0   // 1: gate/up blocks that rotate their inputs ask L2 for their k range's suh first
 #endif
@@ -538,6 +550,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 int ids_64) {
     TRACE_BEGIN;
     let_dependents_launch();
+    const PrerequisiteOnExit chain{EARLY_GATE_UP && blockIdx.x + blockIdx.y + blockIdx.z == 0};
 #if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
 #endif
@@ -685,6 +698,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     const Combine combine{ids, ids_64, weights, weights_dtype, shared_y, out, out_dtype, stride_out, token_counters,
                           top_k};
     TRACE_BEGIN;
+    let_dependents_launch();
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
     const int b = route_block_index(), cblock = column_block_index();
     int expert, start, nrows;
