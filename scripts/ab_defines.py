@@ -48,10 +48,12 @@ def layer_widths(label: str) -> list:
     return LAYERS[int(label) if label.isdigit() else label]
 
 
-def moe_case(shape, label, tokens, gen):
+def moe_case(shape, label, tokens, gen, shared=False):
     hidden, inter, E, top_k = SHAPES[shape]
-    build = exl3_calls(random_layer(hidden, inter, E, layer_widths(label), "mcg", gen), tokens, top_k, gen)
-    return f"moe {shape} K={label} T {tokens}", lambda: build()[0]
+    widths = layer_widths(label)
+    one = random_layer(hidden, inter, 1, widths[:1], "mcg", gen) if shared else None   # as bench/moe.py --shared
+    build = exl3_calls(random_layer(hidden, inter, E, widths, "mcg", gen), tokens, top_k, gen, one)
+    return f"moe {shape} K={label}{' shared' if shared else ''} T {tokens}", lambda: build()[0]
 
 
 def stage_case(name, layer, tokens, gen):
@@ -79,7 +81,7 @@ def cases(args, gen):
     for k, n, K, codebook, rows in linear_params(args):
         yield linear_case(k, n, K, codebook, rows, gen)
     for shape, label, tokens in moe_params(args):
-        yield moe_case(shape, label, tokens, gen)
+        yield moe_case(shape, label, tokens, gen, args.shared)
     layers = stage_layers("mcg", gen) if args.stages else {}
     for name in args.stages:
         for tokens in args.tokens:
@@ -96,7 +98,8 @@ def note(args):
             LinearPlan(note_variants.weight(k, n, K, codebook), rows)
         for shape, label, tokens in moe_params(args):
             hidden, inter, E, top_k = SHAPES[shape]
-            moe_plan(note_variants.layer(hidden, inter, E, layer_widths(label)), tokens, top_k)
+            shared = note_variants.layer(hidden, inter, 1, layer_widths(label)[:1]) if args.shared else None
+            moe_plan(note_variants.layer(hidden, inter, E, layer_widths(label)), tokens, top_k, shared=shared)
         hidden, inter, E, top_k = SHAPES["qwen3-30b-a3b"]
         for tokens in args.tokens if args.stages else ():
             moe_plan(note_variants.stage_layer(hidden, inter, E), tokens, top_k)
@@ -131,6 +134,7 @@ if __name__ == "__main__":
     ap.add_argument("--layers", nargs="*", default=["4"], help="MoE layers (bench/moe.py LAYERS)")
     ap.add_argument("--moe-shapes", nargs="+", default=["qwen3-30b-a3b"], help="bench/moe.py SHAPES")
     ap.add_argument("--stages", nargs="*", default=[], help="Qwen3 K4 stage layers (bench/moe.py stage_layers)")
+    ap.add_argument("--shared", action="store_true", help="MoE layers with a shared expert of their own width")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=4)
     ap.add_argument("--note", action="store_true", help="note the variants for warm_cache.py (no GPU)")

@@ -65,4 +65,6 @@ for ws in ("0", "1"):   # warp-specialized experts against mma.sync
     os.environ["EXL3MOE_MOE_WS"] = ws
     moe_plan(ExpertSet(q.gate, q.up, q.down, "silu", stages=[quarter]), 300, 8, block_m=128)
 os.environ.pop("EXL3MOE_MOE_WS")
+for T in (1, 16):   # replays with a shared expert
+    moe_plan(q, T, 8, shared=experts(1, 2048, 768, [4], ["mcg"]), out_dtype=torch.float16)
 print("noted")

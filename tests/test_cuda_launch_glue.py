@@ -316,3 +316,7 @@ def test_down_launches_as_a_dependent_of_its_gate_up_on_sm90(launches, monkeypat
     assert follower.early_gate_up and not leader.early_gate_up
     assert dict(kernel_source(follower, "moe_gate_up_mma")[0])["EARLY_GATE_UP"] == 1
     assert "EARLY_GATE_UP" not in dict(kernel_source(leader, "moe_gate_up_mma")[0])
+    monkeypatch.setenv("EXL3MOE_MOE_EARLY_GATE_UP", "0")
+    again = moe_plan(experts, T, 2, shared=shared)
+    assert not again.mma.early_gate_up and not again.shared_mma.early_gate_up
+    assert again.mma.early_down and again.shared_mma.early_down, "the knob keeps the early downs"

@@ -124,6 +124,33 @@ def test_replays_of_calls_whose_every_id_lives_elsewhere_between_ordinary_ones(q
         assert torch.equal(bits(out), expected)
 
 
+@pytest.mark.parametrize("T", [1, 16])
+def test_replays_with_a_shared_expert_give_eager_bytes(qwen3_layer, T):
+    """A shared expert chained to the routed one (its gate/up after the routed down in packed plans, the routed
+    gate/up after its down in direct ones, each launched early): captured calls replayed with new inputs give a fresh
+    eager run's bytes, round after round."""
+    top_k, H, E = QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
+    shared = random_experts(1, H, QWEN3["inter"], [4], ["mcg"], seed=70, name="shared")
+    plan = moe_plan(qwen3_layer, T, top_k, shared=shared, out_dtype=torch.float16)
+    runner = plan.bind(plan.allocate())
+    x = (torch.randn(T, H, device="cuda") / 32).half()
+    ids, weights = routing(T, E, top_k, 71)
+    out = torch.empty(T, H, device="cuda", dtype=torch.float16)
+    runner.run(x, ids, weights, out)
+    assert rel_l2(out, moe(x, qwen3_layer, ids, weights, shared)) < 2e-3
+    graph = capture_allocation_free(lambda: runner.run(x, ids, weights, out), out)
+    for seed in range(72, 76):
+        new_ids, new_weights = routing(T, E, top_k, seed)
+        new_x = (torch.randn(T, H, device="cuda") / 32).half()
+        expected = bits(runner.run(new_x, new_ids, new_weights, torch.empty_like(out))).clone()
+        x.copy_(new_x)
+        ids.copy_(new_ids)
+        weights.copy_(new_weights)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), expected), seed
+
+
 @pytest.mark.parametrize("T, block_m, backend", [(300, 32, "0"), (200, 16, "1"), (300, 32, "1"), (600, 64, "1"),
                                                  (1024, 128, "1")])
 def test_deterministic_and_batch_invariant_at_full_shape(qwen3_layer, T, block_m, backend, monkeypatch):

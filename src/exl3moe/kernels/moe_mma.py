@@ -176,7 +176,8 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
                        ws_stages=ws_stages())
     early = early_launch(experts.device)
     plan = replace(plan, split_inner=split_inner_grid(plan), early_down=not plan.ws_down and early,
-                   early_gate_up=early and after_down and not plan.pre_rotate and not plan.ws_gate_up)
+                   early_gate_up=(early and after_down and not plan.pre_rotate and not plan.ws_gate_up
+                                  and os.environ.get("EXL3MOE_MOE_EARLY_GATE_UP", "1") != "0"))
     gate_up = "moe_gate_up_ws" if plan.ws_gate_up else "moe_gate_up_mma"
     return replace(plan, gate_up_kernel=_kernel(plan, gate_up, experts.device),
                    down_kernel=_kernel(plan, "moe_down_ws" if plan.ws_down else "moe_down_mma", experts.device),
@@ -188,7 +189,8 @@ def early_launch(device: torch.device) -> bool:
     ask for their first weight words, and wait for gate/up's completion before reading h_rot. A gate/up right after
     another expert set's down (the shared expert's, or the routed one's) launches early too: it reads nothing that
     down writes, and its block 0 waits for down before it leaves, so that the chain completes in order.
-    EXL3MOE_MOE_EARLY_DOWN=0 launches every kernel after the previous one."""
+    EXL3MOE_MOE_EARLY_DOWN=0 launches every kernel after the previous one; EXL3MOE_MOE_EARLY_GATE_UP=0 keeps the
+    early down only."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
             and os.environ.get("EXL3MOE_MOE_EARLY_DOWN", "1") != "0")
 
