@@ -7,11 +7,12 @@ Per chunk of tokens (chunk size fixed by the plan, so the launch sequence depend
     gate/up      (1 launch)         h_rot[pos] = rotated down input of act(gate(x), up(x)), fp16
     down         (1 launch)         y[slot] = down(h), fp32, unweighted (sm_90: starts early, waits for gate/up)
     shared       (2-3 launches, optional) the shared expert's (rotate,) gate/up and down over the chunk's tokens
+                                    (sm_90, no rotate: gate/up starts early after the routed down)
     combine      (1 launch)         out[t] = sum_j w[t, j] y[t*top_k + j] (+ shared[t]) in slot order
 
 A plan of at most 16 slots (8 for layers of four or more formats) on the CUDA experts routes directly: the shared
 expert first, then gate/up and down over one block per slot read from topk_ids (no route pack), down's last block of
-each token combining it.
+each token combining it (sm_90: the routed gate/up starts early after the shared down).
 
 Workspace: h_rot [capacity, I] fp16, y [capacity, H] fp32, the route tables, and the shared expert's
 [chunk tokens, I_s] fp16 and [chunk tokens, H] fp32, with capacity = chunk tokens x top_k slots: calls

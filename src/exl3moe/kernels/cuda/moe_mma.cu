@@ -119,8 +119,8 @@ __device__ __forceinline__ bool slot_is_local(const Combine& cb, size_t slot, in
 #ifndef EARLY_LAUNCH
 #define EARLY_LAUNCH 0   // 1: down launches while gate/up finishes (programmatic dependent launch, sm_90)
 #endif
-// gate/up lets its dependent launch once all of its blocks have started; down waits for gate/up's completion (and
-// its memory) before it reads what gate/up wrote. Both are no-ops without EARLY_LAUNCH.
+// gate/up and down let their dependents launch once all of their blocks have started; down waits for gate/up's
+// completion (and its memory) before it reads what gate/up wrote. Both are no-ops without EARLY_LAUNCH.
 __device__ __forceinline__ void let_dependents_launch() {
 #if EARLY_LAUNCH && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
