@@ -181,16 +181,28 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
             assert (block, shared) == (mma.warps * 32, 0), name
 
 
-@pytest.mark.parametrize("stages", ["2", "7", "six"])
-def test_moe_ring_depth_outside_its_range_is_refused(launches, monkeypatch, stages):
+@pytest.mark.parametrize("env", [dict(STAGES="2"), dict(STAGES="9"), dict(STAGES="six"), dict(STAGE_KT="6"),
+                                 dict(STAGE_KT="8", STAGES="5"), dict(STAGES="7", GATE_UP="1")])
+def test_moe_ring_settings_outside_their_range_are_refused(launches, monkeypatch, env):
     from exl3moe.errors import ContractError
 
     monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
-    monkeypatch.setenv("EXL3MOE_MOE_WS_STAGES", stages)
+    for key, value in env.items():
+        monkeypatch.setenv(f"EXL3MOE_MOE_WS_{key}", value)
     experts = random_experts(8, 256, 384, K=4, codebook="mcg", generator=torch.Generator().manual_seed(5))
-    with pytest.raises(ContractError, match="EXL3MOE_MOE_WS_STAGES"):
+    with pytest.raises(ContractError, match="EXL3MOE_MOE_WS_STAGE"):
         moe_plan(experts, 70, 2, block_m=128)
     assert not launches
+
+
+@pytest.mark.parametrize("K, env, ring", [(4, {}, (4, 8)), (3, {}, (8, 4)), (4, dict(GATE_UP="1"), (4, 6)),
+                                          (3, dict(GATE_UP="1"), (8, 3)), (3, dict(STAGES="5"), (4, 5)),
+                                          (4, dict(STAGE_KT="8"), (8, 4))])
+def test_moe_ring_stages_follow_the_formats_and_the_settings(monkeypatch, K, env, ring):
+    """Stages of 4 k-tiles for K4 layers, of a whole x chunk otherwise; 32 k-tiles, 24 beside persistent gate/up."""
+    for key, value in env.items():
+        monkeypatch.setenv(f"EXL3MOE_MOE_WS_{key}", value)
+    assert moe_mma.ws_ring(((2 * K, 1),), env.get("GATE_UP") == "1") == ring
 
 
 def test_linear_launches_match_the_kernel_signatures(launches):

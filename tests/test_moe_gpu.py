@@ -430,6 +430,28 @@ def test_warp_specialized_experts_give_mma_sync_bytes(qwen3_layer, monkeypatch):
     assert rel_l2(outs["1"], moe(x, layer, ids, weights)) < 2e-3
 
 
+@pytest.mark.parametrize("shape", ["qwen3", "odd-chunks"])
+def test_whole_chunk_ring_stages_give_the_bytes_of_four_k_tile_stages(qwen3_layer, shape, monkeypatch):
+    """Ring stages of 8 k-tiles (EXL3MOE_MOE_WS_STAGE_KT=8; odd stage counts per range in the odd-chunk layer) give
+    the bytes of 4-k-tile stages, with a sparse residual stage."""
+    base = qwen3_layer if shape == "qwen3" else random_experts(16, 1152, 640, [4, 3, 6], ["mcg", "mul1", "3inst"], 70)
+    E, H, T, top_k = len(base.down), base.hidden_size, 300, 8
+    quarter = torch.zeros(E, 3, device="cuda")
+    quarter[::4] = 0.1
+    layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=[residual_stage(base, quarter, 2, "mcg", 71)])
+    x = (torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(72)) / 32).half()
+    ids, weights = routing(T, E, top_k, 73)
+    outs = {}
+    for kt in ("4", "8"):
+        monkeypatch.setenv("EXL3MOE_MOE_WS_STAGE_KT", kt)
+        plan = moe_plan(layer, T, top_k, block_m=128, out_dtype=torch.float16)
+        assert plan.mma.ws and plan.mma.ws_stage_ktiles == int(kt)
+        outs[kt] = torch.empty(T, H, device="cuda", dtype=torch.float16)
+        plan.bind(plan.allocate()).run(x, ids, weights, outs[kt])
+    assert torch.equal(bits(outs["4"]), bits(outs["8"]))
+    assert rel_l2(outs["8"], moe(x, layer, ids, weights)) < 2e-3
+
+
 def butterfly_rotation(rows: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
     """fp16(Hn128(rows * suh) / sqrt(128)) in fp32 with the kernels' butterflies: bits 0..6 of the index in order."""
     v = rows.float() * suh.float()

@@ -59,6 +59,7 @@ class MoeMmaPlan:
     ws_gate_up: bool = False  # gate/up persistent on ws (moe_gate_up_ws; single-split plans; opt-in): no partials
     ws_down: bool = False  # down persistent and warp-specialized (moe_down_ws; single-split plans): no partials
     ws_stages: int = WS_STAGES  # ring stages of the warp-specialized kernels
+    ws_stage_ktiles: int = WS_STAGE_KTILES  # k-tiles per ring stage
     small_call: bool = False  # at most SMALL_CALL_SLOTS slots per call
     one_wave: bool = False  # direct, and a full call's gate/up blocks fit at DIRECT_GATE_UP_MIN_BLOCKS per SM
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
@@ -135,23 +136,41 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
 
 
 WS_CONSUMER_THREADS = 256  # trellis_ws.cuh's CONSUMERS warps
-WS_MAX_STAGES = 6  # beside the persistent gate/up's 64 KB of gate values, six 16 KB stages fit in shared memory
-MOE_WS_STAGES = 6  # the MoE's ring: its blocks keep no running sum, so twice the linear's stages fit
+MOE_WS_RING_KTILES = 32  # the MoE ring (128 KB): its blocks keep no running sum, so more than the linear's fit
+WS_GATE_UP_RING_KTILES = 24  # the persistent gate/up's ring, beside its 64 KB of gate values
 
 
-def ws_stages() -> int:
-    """The MoE ring's depth: EXL3MOE_MOE_WS_STAGES (3..WS_MAX_STAGES), MOE_WS_STAGES by default."""
-    value = os.environ.get("EXL3MOE_MOE_WS_STAGES", str(MOE_WS_STAGES))
-    if not value.isdigit() or not WS_STAGES <= int(value) <= WS_MAX_STAGES:
-        raise ContractError("EXL3MOE_MOE_WS_STAGES", f"must be an integer in {WS_STAGES}..{WS_MAX_STAGES}, got "
-                            f"{value!r}")
-    return int(value)
+def ws_ring(formats: tuple = (), persistent_gate_up: bool | None = None) -> tuple:
+    """(k-tiles per stage, stages) of the MoE ring: MOE_WS_RING_KTILES k-tiles, WS_GATE_UP_RING_KTILES beside the
+    persistent gate/up's gate values (by default: where EXL3MOE_MOE_WS_GATE_UP asks for it). Stages of one x chunk
+    (8 k-tiles, producers that wait for their stage and then decode and store a k-tile at a time), unless every
+    format is K4, whose decode is cheap enough that 4-k-tile stages pay (they decouple the roles more).
+    EXL3MOE_MOE_WS_STAGE_KT (4 or 8) and EXL3MOE_MOE_WS_STAGES (3 or more stages, of 4 k-tiles unless
+    EXL3MOE_MOE_WS_STAGE_KT says 8, that fit the ring) set them; anything else is a ContractError."""
+    if persistent_gate_up is None:
+        persistent_gate_up = os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1"
+    ring = WS_GATE_UP_RING_KTILES if persistent_gate_up else MOE_WS_RING_KTILES
+    kt_env, stages_env = os.environ.get("EXL3MOE_MOE_WS_STAGE_KT"), os.environ.get("EXL3MOE_MOE_WS_STAGES")
+    if kt_env not in (None, str(WS_STAGE_KTILES), str(CHUNK_KTILES)):
+        raise ContractError("EXL3MOE_MOE_WS_STAGE_KT", f"must be {WS_STAGE_KTILES} or {CHUNK_KTILES}, got {kt_env!r}")
+    if kt_env or stages_env:
+        stage_kt = int(kt_env or WS_STAGE_KTILES)
+    else:
+        stage_kt = WS_STAGE_KTILES if formats and all(k2 == 8 for k2, _ in formats) else CHUNK_KTILES
+    most = ring // stage_kt
+    if stages_env is None:
+        return stage_kt, most
+    if not stages_env.isdigit() or not WS_STAGES <= int(stages_env) <= most:
+        raise ContractError("EXL3MOE_MOE_WS_STAGES", f"must be an integer in {WS_STAGES}..{most} for stages of "
+                            f"{stage_kt} k-tiles, got {stages_env!r}")
+    return stage_kt, int(stages_env)
 
 
 def ws_shared_bytes(plan: MoeMmaPlan, name: str) -> int:
     """Dynamic shared memory of a warp-specialized kernel: trellis_ws.cuh's, plus each consumer thread's 64 gate
     values for moe_gate_up_ws."""
-    return ws_ring_shared_bytes(plan.ws_stages) + (WS_CONSUMER_THREADS * 64 * 4 if name == "moe_gate_up_ws" else 0)
+    gate_values = WS_CONSUMER_THREADS * 64 * 4 if name == "moe_gate_up_ws" else 0
+    return ws_ring_shared_bytes(plan.ws_stages, plan.ws_stage_ktiles) + gate_values
 
 
 def uses_ws(block_m: int, device: torch.device) -> bool:
@@ -170,10 +189,11 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
     plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0",
                    one_wave=direct and blocks <= DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device))
     if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
-        plan = replace(plan, ws=True,
-                       ws_gate_up=plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1",
+        persistent = plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1"
+        stage_kt, stages = ws_ring(plan.gate_up_formats + plan.down_formats + plan.stage_formats, persistent)
+        plan = replace(plan, ws=True, ws_gate_up=persistent,
                        ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
-                       ws_stages=ws_stages())
+                       ws_stages=stages, ws_stage_ktiles=stage_kt)
     early = early_launch(experts.device)
     plan = replace(plan, split_inner=split_inner_grid(plan), early_down=not plan.ws_down and early,
                    early_gate_up=(early and after_down and not plan.pre_rotate and not plan.ws_gate_up
@@ -242,9 +262,9 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
         formats = plan.gate_up_formats if gate_up else plan.down_formats
         prelude = _produce("WS_PRODUCE_GATE_UP" if gate_up else "WS_PRODUCE_DOWN",
                            tuple(sorted(set(formats) | set(plan.stage_formats))))
-        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1),
+        defines = (("PF", max(PREFETCH, plan.ws_stage_ktiles)), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32), ("PRE_ROTATED", 1),
                    ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES), ("WS", 1),
-                   ("STAGES", plan.ws_stages), ("STAGE_KT", WS_STAGE_KTILES), ("ROUTE_MAJOR", int(plan.route_major)))
+                   ("STAGES", plan.ws_stages), ("STAGE_KT", plan.ws_stage_ktiles), ("ROUTE_MAJOR", int(plan.route_major)))
         return defines, prelude
     mt, nt = plan.block_m // 16, 8 // plan.warps
     empty = ()

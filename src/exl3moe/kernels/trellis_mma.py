@@ -211,8 +211,8 @@ WS_STAGES, WS_STAGE_KTILES, WS_THREADS = 3, 4, 768  # trellis_ws: ring stages of
 WS_PAIR_SCALAR = 1   # trellis_ws producers' pair sums: scalar HADDs and a PRMT pack
 # trellis_ws.cuh's dynamic shared memory (WsShared): ring stages, alignment slack, two x chunks, the barriers; the
 # linear adds its running sum (128 rows of 136 fp32).
-def ws_ring_shared_bytes(stages: int = WS_STAGES) -> int:
-    return stages * WS_STAGE_KTILES * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 2 * stages * 8
+def ws_ring_shared_bytes(stages: int = WS_STAGES, stage_ktiles: int = WS_STAGE_KTILES) -> int:
+    return stages * stage_ktiles * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 2 * stages * 8
 
 
 WS_RING_SHARED_BYTES = ws_ring_shared_bytes()

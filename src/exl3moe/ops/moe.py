@@ -38,7 +38,7 @@ from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
 from ..kernels.moe_mma import (MAX_GRID_ROWS, direct_route, format_count, formats_up_to, moe_down_mma, moe_gate_up_mma,
                                 moe_rotate_input, plan_moe_mma, projection_formats, supported, workspace_numels,
-                                ws_stages)
+                                ws_ring)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from .tables import MoETables, build_tables, check_expert_set
@@ -122,7 +122,7 @@ class MoEPlan:
         if max_stage_bits and max_stage_bits * 2 not in range(2, 17):
             raise ContractError("max_stage_bits", f"must be 0 or a valid K (1..8, 1.5, 2.5, 3.5), got {max_stage_bits}")
         check_expert_set(experts)
-        ws_stages()   # the MoE ring depth's environment setting, checked before anything reaches the device
+        ws_ring()   # the MoE ring's environment settings, checked before anything reaches the device
         self.stage_codebooks = stage_codebook_set(experts, stage_codebooks)
         if shared is not None:
             check_shared(shared, experts)

@@ -16,7 +16,11 @@ constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
 #define STAGE_KT 4                                      // k-tiles per ring stage
 #endif
 constexpr int PF_STAGES = PF / STAGE_KT;               // stages of words prefetched
-static_assert((CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0, "a producer's stages of a chunk: whole prefetch rounds");
+// Stages of a chunk's size or more: a range may hold an odd count, so the turns' shares differ, and each producer
+// waits for its stage before it decodes one k-tile at a time into it (the registers of one k-tile's fragments).
+constexpr bool WHOLE_CHUNK_STAGES = STAGE_KT * K_TURNS > CHUNK;
+static_assert(PF_STAGES >= 1 && (WHOLE_CHUNK_STAGES ? STAGE_KT == CHUNK : (CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0),
+              "a producer's stages of a chunk: whole prefetch rounds");
 constexpr int KTILE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
 constexpr u32 XS_BYTES = 32 * 1024;                    // one staged x chunk (128 rows x 128 inputs), 1024-aligned
@@ -126,6 +130,38 @@ __device__ __forceinline__ void ws_roles(Produce&& produce, Consume&& consume) {
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
 
+// produce's stages of a chunk or more: each waits for its ring stage, then decodes and stores one k-tile at a
+// time, with the words of the next ROLL k-tiles of the producer's own in flight.
+template <class T>
+__device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* empty, WordStream<T>& stream,
+                                                     size_t k_tile, size_t k_step, int p, int turn, int mine,
+                                                     u32 cursor) {
+    constexpr int ROLL = 4;
+    static_assert(STAGE_KT % ROLL == 0, "k-tiles of a stage: whole rolls");
+    const u32 sh = stream.shift;
+    u32 buf[ROLL][T::NW];
+#pragma unroll
+    for (int t = 0; t < ROLL; t++)
+        if (mine > 0) stream.load(buf[t], t * k_tile);
+    for (int j = 0; j < mine; j++) {
+        const u32 i = cursor + j * K_TURNS + turn, s = i % STAGES;
+        u32* dst = ring + s * STAGE_U32 + (p % WS_TILES) * 128 + (threadIdx.x & 31);   // as in produce
+        mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
+#pragma unroll
+        for (int t = 0; t < STAGE_KT; t++) {
+            u32 b[4];
+            T::decode_tile(buf[t % ROLL], sh, b);
+            if (t + ROLL < STAGE_KT) stream.load(buf[t % ROLL], (t + ROLL) * k_tile);
+            else if (j + 1 < mine) stream.load(buf[t % ROLL], k_step + (t + ROLL - STAGE_KT) * k_tile);
+#pragma unroll
+            for (int f = 0; f < 4; f++) dst[t * KTILE_U32 + 32 * f] = b[f];
+        }
+        stream.advance(k_step);
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
+        warp_arrive(full + s);
+    }
+}
+
 // Producer warp p: tile column jt (the block's p % 8th) of the (2K, codebook) trellis `words`, ring stages
 // cursor + i for i = p / 8 (mod K_TURNS) of STAGE_KT k-tiles each (k-tiles kt_begin + STAGE_KT i + t), decoded into
 // ring stage (cursor + i) % STAGES; cursor counts the stages the block's earlier ranges used.
@@ -134,10 +170,16 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
                                        int jt, int kt_begin, int kt_end, int p, u32 cursor) {
     using T = Trellis<K2_, CB_>;
     const int lane = threadIdx.x & 31;
-    const int turn = p / WS_TILES, mine = (kt_end - kt_begin) / (STAGE_KT * K_TURNS);   // k ranges: whole chunks
+    const int turn = p / WS_TILES;   // k ranges: whole chunks
+    const int mine = WHOLE_CHUNK_STAGES ? ((kt_end - kt_begin) / STAGE_KT + K_TURNS - 1 - turn) / K_TURNS
+                                        : (kt_end - kt_begin) / (STAGE_KT * K_TURNS);
     const size_t k_tile = (size_t)tiles_n * T::WT, k_step = k_tile * STAGE_KT * K_TURNS;
     WordStream<T> stream(words, jt, (kt_begin + STAGE_KT * turn) * k_tile);
     const u32 sh = stream.shift;
+    if constexpr (WHOLE_CHUNK_STAGES) {
+        produce_whole_chunks<T>(ring, full, empty, stream, k_tile, k_step, p, turn, mine, cursor);
+        return;
+    }
     u32 buf[PF_STAGES][STAGE_KT][T::NW];
 #pragma unroll
     for (int q = 0; q < PF_STAGES; q++) {
