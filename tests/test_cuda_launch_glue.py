@@ -181,8 +181,8 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
             assert (block, shared) == (mma.warps * 32, 0), name
 
 
-@pytest.mark.parametrize("env", [dict(STAGES="2"), dict(STAGES="9"), dict(STAGES="six"), dict(STAGE_KT="6"),
-                                 dict(STAGE_KT="8", STAGES="5"), dict(STAGES="7", GATE_UP="1")])
+@pytest.mark.parametrize("env", [dict(STAGES="2"), dict(STAGES="11"), dict(STAGES="six"), dict(STAGE_KT="6"),
+                                 dict(STAGE_KT="8", STAGES="6"), dict(STAGES="7", GATE_UP="1")])
 def test_moe_ring_settings_outside_their_range_are_refused(launches, monkeypatch, env):
     from exl3moe.errors import ContractError
 
@@ -195,14 +195,13 @@ def test_moe_ring_settings_outside_their_range_are_refused(launches, monkeypatch
     assert not launches
 
 
-@pytest.mark.parametrize("K, env, ring", [(4, {}, (4, 8)), (3, {}, (8, 4)), (4, dict(GATE_UP="1"), (4, 6)),
-                                          (3, dict(GATE_UP="1"), (8, 3)), (3, dict(STAGES="5"), (4, 5)),
-                                          (4, dict(STAGE_KT="8"), (8, 4))])
-def test_moe_ring_stages_follow_the_formats_and_the_settings(monkeypatch, K, env, ring):
-    """Stages of 4 k-tiles for K4 layers, of a whole x chunk otherwise; 32 k-tiles, 24 beside persistent gate/up."""
+@pytest.mark.parametrize("env, ring", [({}, (8, 5)), (dict(GATE_UP="1"), (8, 3)), (dict(STAGES="5"), (4, 5)),
+                                       (dict(STAGE_KT="4"), (4, 10)), (dict(STAGE_KT="4", GATE_UP="1"), (4, 6))])
+def test_moe_ring_stages_follow_the_settings(monkeypatch, env, ring):
+    """Stages of a whole x chunk, 40 k-tiles of them, 24 beside the persistent gate/up; the settings override."""
     for key, value in env.items():
         monkeypatch.setenv(f"EXL3MOE_MOE_WS_{key}", value)
-    assert moe_mma.ws_ring(((2 * K, 1),), env.get("GATE_UP") == "1") == ring
+    assert moe_mma.ws_ring() == ring
 
 
 def test_linear_launches_match_the_kernel_signatures(launches):

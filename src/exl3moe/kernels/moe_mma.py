@@ -136,15 +136,14 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
 
 
 WS_CONSUMER_THREADS = 256  # trellis_ws.cuh's CONSUMERS warps
-MOE_WS_RING_KTILES = 32  # the MoE ring (128 KB): its blocks keep no running sum, so more than the linear's fit
+MOE_WS_RING_KTILES = 40  # the MoE ring (160 KB): its blocks keep no running sum, so more than the linear's fit
 WS_GATE_UP_RING_KTILES = 24  # the persistent gate/up's ring, beside its 64 KB of gate values
 
 
-def ws_ring(formats: tuple = (), persistent_gate_up: bool | None = None) -> tuple:
+def ws_ring(persistent_gate_up: bool | None = None) -> tuple:
     """(k-tiles per stage, stages) of the MoE ring: MOE_WS_RING_KTILES k-tiles, WS_GATE_UP_RING_KTILES beside the
-    persistent gate/up's gate values (by default: where EXL3MOE_MOE_WS_GATE_UP asks for it). Stages of one x chunk
-    (8 k-tiles, producers that wait for their stage and then decode and store a k-tile at a time), unless every
-    format is K4, whose decode is cheap enough that 4-k-tile stages pay (they decouple the roles more).
+    persistent gate/up's gate values (by default: where EXL3MOE_MOE_WS_GATE_UP asks for it), in stages of one x
+    chunk (8 k-tiles) whose producers wait for their stage and then decode and store a k-tile at a time.
     EXL3MOE_MOE_WS_STAGE_KT (4 or 8) and EXL3MOE_MOE_WS_STAGES (3 or more stages, of 4 k-tiles unless
     EXL3MOE_MOE_WS_STAGE_KT says 8, that fit the ring) set them; anything else is a ContractError."""
     if persistent_gate_up is None:
@@ -153,10 +152,7 @@ def ws_ring(formats: tuple = (), persistent_gate_up: bool | None = None) -> tupl
     kt_env, stages_env = os.environ.get("EXL3MOE_MOE_WS_STAGE_KT"), os.environ.get("EXL3MOE_MOE_WS_STAGES")
     if kt_env not in (None, str(WS_STAGE_KTILES), str(CHUNK_KTILES)):
         raise ContractError("EXL3MOE_MOE_WS_STAGE_KT", f"must be {WS_STAGE_KTILES} or {CHUNK_KTILES}, got {kt_env!r}")
-    if kt_env or stages_env:
-        stage_kt = int(kt_env or WS_STAGE_KTILES)
-    else:
-        stage_kt = WS_STAGE_KTILES if formats and all(k2 == 8 for k2, _ in formats) else CHUNK_KTILES
+    stage_kt = int(kt_env) if kt_env else WS_STAGE_KTILES if stages_env else CHUNK_KTILES
     most = ring // stage_kt
     if stages_env is None:
         return stage_kt, most
@@ -190,7 +186,7 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
                    one_wave=direct and blocks <= DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device))
     if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
         persistent = plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1"
-        stage_kt, stages = ws_ring(plan.gate_up_formats + plan.down_formats + plan.stage_formats, persistent)
+        stage_kt, stages = ws_ring(persistent)
         plan = replace(plan, ws=True, ws_gate_up=persistent,
                        ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
                        ws_stages=stages, ws_stage_ktiles=stage_kt)
