@@ -16,17 +16,18 @@ constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
 #define STAGE_KT 4                                      // k-tiles per ring stage
 #endif
 constexpr int PF_STAGES = PF / STAGE_KT;               // stages of words prefetched
-// Stages of a chunk's size or more: a range may hold an odd count, so the turns' shares differ, and each producer
-// waits for its stage before it decodes one k-tile at a time into it (the registers of one k-tile's fragments).
+// Stages of a whole chunk: a range may hold an odd count, so the turns' shares differ, and each producer waits for
+// its stage before it decodes one k-tile at a time into it (the registers of one k-tile's fragments).
 constexpr bool WHOLE_CHUNK_STAGES = STAGE_KT * K_TURNS > CHUNK;
-static_assert(PF_STAGES >= 1 && (WHOLE_CHUNK_STAGES ? STAGE_KT == CHUNK : (CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0),
+static_assert(PF_STAGES >= 1 &&
+              (WHOLE_CHUNK_STAGES ? STAGE_KT == CHUNK : (CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0),
               "a producer's stages of a chunk: whole prefetch rounds");
 constexpr int KTILE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
 constexpr u32 XS_BYTES = 32 * 1024;                    // one staged x chunk (128 rows x 128 inputs), 1024-aligned
 #ifndef WS_DIAG
 // Timing builds only (wrong results; scripts/ws_diag.sh): 1 no wgmma, 2 no decode, 4 no x staging, 8 no producer
-// proxy fence, 16 no trellis loads after the first, 32 no ring stores.
+// proxy fence, 16 no trellis loads after the first, 32 no ring stores (2..32 in stages of 4 k-tiles only).
 #define WS_DIAG 0
 #endif
 #ifndef WS_TRACE
@@ -130,8 +131,8 @@ __device__ __forceinline__ void ws_roles(Produce&& produce, Consume&& consume) {
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
 
-// produce's stages of a chunk or more: each waits for its ring stage, then decodes and stores one k-tile at a
-// time, with the words of the next ROLL k-tiles of the producer's own in flight.
+// produce's whole-chunk stages: each waits for its ring stage, then decodes and stores one k-tile at a time, with
+// the words of the producer's next ROLL k-tiles in flight.
 template <class T>
 __device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* empty, WordStream<T>& stream,
                                                      size_t k_tile, size_t k_step, int p, int turn, int mine,
