@@ -70,8 +70,8 @@ def test_noted_variants_are_rebuilt_for_the_current_sources(tmp_path, monkeypatc
 def test_source_from_another_directory_expands_its_own_includes(tmp_path):
     from importlib import resources
     cuda = resources.files("exl3moe.kernels").joinpath("cuda")
-    for name in ("moe_mma.cu", "trellis_core.cuh", "trellis_ws.cuh"):
-        (tmp_path / name).write_text(cuda.joinpath(name).read_text())
+    for source in cuda.iterdir():
+        (tmp_path / source.name).write_text(source.read_text())
     assert nvrtc.source("moe_mma.cu", directory=str(tmp_path)) == nvrtc.source("moe_mma.cu")
     (tmp_path / "trellis_core.cuh").write_text("// another core\n")
     text = nvrtc.source("moe_mma.cu", directory=str(tmp_path))
