@@ -320,9 +320,11 @@ def test_down_launches_as_a_dependent_of_its_gate_up_on_sm90(launches, monkeypat
         if name not in ("route_pack", "combine"):
             call()
     order = [(func[1], early) for func, *_, early in launches]
-    names = [name for name, _ in order]
-    assert names == ["moe_gate_up_mma", "moe_down_mma"] * 2
-    assert [early for _, early in order] == [False, True, True, True], "the first gate/up follows no down"
+    rotate = ["moe_rotate_input"] if plan.mma.pre_rotate else []
+    assert plan.mma.pre_rotate == (not plan.mma.direct), "packed calls of more than 32 slots pre-rotate"
+    assert [name for name, _ in order] == rotate + ["moe_gate_up_mma", "moe_down_mma"] * 2
+    early = [False] * len(rotate) + [False, True, True, True]
+    assert [early for _, early in order] == early, "the first gate/up follows no down"
     follower, leader = (plan.mma, plan.shared_mma) if plan.mma.direct else (plan.shared_mma, plan.mma)
     assert follower.early_gate_up and not leader.early_gate_up
     assert dict(kernel_source(follower, "moe_gate_up_mma")[0])["EARLY_GATE_UP"] == 1
@@ -331,3 +333,13 @@ def test_down_launches_as_a_dependent_of_its_gate_up_on_sm90(launches, monkeypat
     again = moe_plan(experts, T, 2, shared=shared)
     assert not again.mma.early_gate_up and not again.shared_mma.early_gate_up
     assert again.mma.early_down and again.shared_mma.early_down, "the knob keeps the early downs"
+
+
+@pytest.mark.parametrize("block_m, slots, direct, env, expected", [
+    (16, 32, False, None, False), (16, 33, False, None, True), (32, 2048, False, "0", False),
+    (64, 64, False, "0", True), (16, 16, True, None, False)])
+def test_packed_calls_of_more_than_32_slots_pre_rotate(monkeypatch, block_m, slots, direct, env, expected):
+    """A rotate launch from 64-row blocks on and in packed calls of more than 32 slots, never in direct calls."""
+    if env is not None:
+        monkeypatch.setenv("EXL3MOE_MOE_PRE_ROTATE_PACKED", env)
+    assert moe_mma.pre_rotates(block_m, slots, direct) == expected

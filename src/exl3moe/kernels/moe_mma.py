@@ -84,9 +84,12 @@ def formats_up_to(max_k2: int, codebooks: tuple = tuple(CODEBOOK_ID)) -> tuple:
     return tuple((k2, cb) for k2 in range(2, max_k2 + 1) for cb in sorted(ids) if k2 % 2 == 0 or cb == mul1)
 
 
-def pre_rotates(block_m: int) -> bool:
-    """From 64-row route blocks on, rotating each row in all 2 I / 128 column blocks costs more than a launch."""
-    return block_m >= PRE_ROTATE_BLOCK_M
+def pre_rotates(block_m: int, max_slots: int = 0, direct: bool = False) -> bool:
+    """Rotating each row in all 2 I / 128 column blocks costs more than a launch that rotates it once: from 64-row
+    route blocks on, and in packed calls of more than SMALL_CALL_SLOTS slots (EXL3MOE_MOE_PRE_ROTATE_PACKED=0 keeps
+    those rotating in the kernel); never in direct calls."""
+    packed = max_slots > SMALL_CALL_SLOTS and os.environ.get("EXL3MOE_MOE_PRE_ROTATE_PACKED", "1") != "0"
+    return not direct and (block_m >= PRE_ROTATE_BLOCK_M or packed)
 
 
 def direct_route(max_slots: int, block_m: int, formats: int = 1) -> bool:
@@ -131,7 +134,8 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
     d_splits, d_ktiles = chunk_splits(I, busy * (H // 128) * warps,
                                       PACKED_DOWN_TARGET_WARPS if packed else TARGET_WARPS)
     return MoeMmaPlan(block_m, warps, tuple(sorted(set(fmt[0] + fmt[1]))), tuple(sorted(set(fmt[2]))),
-                      tuple(stage_formats), gu_splits, gu_ktiles, d_splits, d_ktiles, pre_rotates(block_m),
+                      tuple(stage_formats), gu_splits, gu_ktiles, d_splits, d_ktiles,
+                      pre_rotates(block_m, max_slots, direct),
                       direct, small_call=max_slots <= SMALL_CALL_SLOTS)
 
 
