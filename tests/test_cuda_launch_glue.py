@@ -321,7 +321,7 @@ def test_down_launches_as_a_dependent_of_its_gate_up_on_sm90(launches, monkeypat
             call()
     order = [(func[1], early) for func, *_, early in launches]
     rotate = ["moe_rotate_input"] if plan.mma.pre_rotate else []
-    assert plan.mma.pre_rotate == (not plan.mma.direct), "packed calls of more than 32 slots pre-rotate"
+    assert plan.mma.pre_rotate == (not plan.mma.direct), "packed plans of more than 32 slots pre-rotate"
     assert [name for name, _ in order] == rotate + ["moe_gate_up_mma", "moe_down_mma"] * 2
     early = [False] * len(rotate) + [False, True, True, True]
     assert [early for _, early in order] == early, "the first gate/up follows no down"
@@ -338,8 +338,8 @@ def test_down_launches_as_a_dependent_of_its_gate_up_on_sm90(launches, monkeypat
 @pytest.mark.parametrize("block_m, slots, direct, env, expected", [
     (16, 32, False, None, False), (16, 33, False, None, True), (32, 2048, False, "0", False),
     (64, 64, False, "0", True), (16, 16, True, None, False)])
-def test_packed_calls_of_more_than_32_slots_pre_rotate(monkeypatch, block_m, slots, direct, env, expected):
-    """A rotate launch from 64-row blocks on and in packed calls of more than 32 slots, never in direct calls."""
+def test_packed_plans_of_more_than_32_slots_pre_rotate(monkeypatch, block_m, slots, direct, env, expected):
+    """A rotate launch from 64-row blocks on and in packed plans of more than 32 slots, never in direct calls."""
     if env is not None:
         monkeypatch.setenv("EXL3MOE_MOE_PRE_ROTATE_PACKED", env)
     assert moe_mma.pre_rotates(block_m, slots, direct) == expected

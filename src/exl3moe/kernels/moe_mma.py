@@ -86,7 +86,7 @@ def formats_up_to(max_k2: int, codebooks: tuple = tuple(CODEBOOK_ID)) -> tuple:
 
 def pre_rotates(block_m: int, max_slots: int = 0, direct: bool = False) -> bool:
     """Rotating each row in all 2 I / 128 column blocks costs more than a launch that rotates it once: from 64-row
-    route blocks on, and in packed calls of more than SMALL_CALL_SLOTS slots (EXL3MOE_MOE_PRE_ROTATE_PACKED=0 keeps
+    route blocks on, and in packed plans of more than SMALL_CALL_SLOTS slots (EXL3MOE_MOE_PRE_ROTATE_PACKED=0 keeps
     those rotating in the kernel); never in direct calls."""
     packed = max_slots > SMALL_CALL_SLOTS and os.environ.get("EXL3MOE_MOE_PRE_ROTATE_PACKED", "1") != "0"
     return not direct and (block_m >= PRE_ROTATE_BLOCK_M or packed)

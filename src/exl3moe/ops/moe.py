@@ -3,7 +3,7 @@
 Per chunk of tokens (chunk size fixed by the plan, so the launch sequence depends on T alone):
 
     route_pack   (1 or 3 launches)  expert histogram, offsets, stable sort of slots, route-block tables
-    rotate       (CUDA experts: 64+ row route blocks, packed calls of 33+ slots) gate and up inputs rotated once
+    rotate       (CUDA experts: 64+ row route blocks, packed plans of 33+ slots) gate and up inputs rotated once
     gate/up      (1 launch)         h_rot[pos] = rotated down input of act(gate(x), up(x)), fp16
     down         (1 launch)         y[slot] = down(h), fp32, unweighted (sm_90: starts early, waits for gate/up)
     shared       (2-3 launches, optional) the shared expert's (rotate,) gate/up and down over the chunk's tokens
