@@ -262,7 +262,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
         formats = plan.gate_up_formats if gate_up else plan.down_formats
         prelude = _produce("WS_PRODUCE_GATE_UP" if gate_up else "WS_PRODUCE_DOWN",
                            tuple(sorted(set(formats) | set(plan.stage_formats))))
-        defines = (("PF", max(PREFETCH, plan.ws_stage_ktiles)), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32),
+        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32),
                    ("PRE_ROTATED", 1), ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES),
                    ("WS", 1), ("STAGES", plan.ws_stages), ("STAGE_KT", plan.ws_stage_ktiles),
                    ("ROUTE_MAJOR", int(plan.route_major)))

@@ -15,12 +15,12 @@ constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
 #ifndef STAGE_KT
 #define STAGE_KT 4                                      // k-tiles per ring stage
 #endif
-constexpr int PF_STAGES = PF / STAGE_KT;               // stages of words prefetched
+constexpr int PF_STAGES = PF > STAGE_KT ? PF / STAGE_KT : 1;   // stages of words prefetched (stages below a chunk)
 // Stages of a whole chunk: a range may hold an odd count, so the turns' shares differ, and each producer waits for
 // its stage before it decodes one k-tile at a time into it (the registers of one k-tile's fragments).
 constexpr bool WHOLE_CHUNK_STAGES = STAGE_KT * K_TURNS > CHUNK;
-static_assert(PF_STAGES >= 1 &&
-              (WHOLE_CHUNK_STAGES ? STAGE_KT == CHUNK : (CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0),
+static_assert(WHOLE_CHUNK_STAGES ? STAGE_KT == CHUNK && STAGE_KT % PF == 0
+                                 : PF % STAGE_KT == 0 && (CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0,
               "a producer's stages of a chunk: whole prefetch rounds");
 constexpr int KTILE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
@@ -132,13 +132,12 @@ __device__ __forceinline__ void ws_roles(Produce&& produce, Consume&& consume) {
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
 
 // produce's whole-chunk stages: each waits for its ring stage, then decodes and stores one k-tile at a time, with
-// the words of the producer's next ROLL k-tiles in flight.
+// the words of the producer's next PF k-tiles in flight.
 template <class T>
 __device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* empty, WordStream<T>& stream,
                                                      size_t k_tile, size_t k_step, int p, int turn, int mine,
                                                      u32 cursor) {
-    constexpr int ROLL = 4;
-    static_assert(STAGE_KT % ROLL == 0, "k-tiles of a stage: whole rolls");
+    constexpr int ROLL = PF;
     const u32 sh = stream.shift;
     u32 buf[ROLL][T::NW];
 #pragma unroll
