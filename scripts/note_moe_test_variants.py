@@ -67,7 +67,6 @@ for ws in ("0", "1"):   # warp-specialized experts against mma.sync
 os.environ.pop("EXL3MOE_MOE_WS")
 for T in (1, 16):   # replays with a shared expert
     moe_plan(q, T, 8, shared=experts(1, 2048, 768, [4], ["mcg"]), out_dtype=torch.float16)
-print("noted")
 odd = experts(16, 1152, 640, [4, 3, 6], ["mcg", "mul1", "3inst"])
 for base in (q, odd):   # whole-chunk ring stages against 4-k-tile ones, with a sparse residual stage
     E = len(base.down)
@@ -77,3 +76,4 @@ for base in (q, odd):   # whole-chunk ring stages against 4-k-tile ones, with a 
         moe_plan(ExpertSet(base.gate, base.up, base.down, "silu", stages=[st]), 300, 8, block_m=128,
                  out_dtype=torch.float16)
 os.environ.pop("EXL3MOE_MOE_WS_STAGE_KT")
+print("noted")
