@@ -188,7 +188,7 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
     blocks = max_slots * (2 * experts.intermediate_size // 128) * plan.gate_up_splits
     plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0",
                    one_wave=direct and blocks <= DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device))
-    if uses_ws(block_m, experts.device) and plan.pre_rotate and not direct:
+    if uses_ws(block_m, experts.device) and plan.pre_rotate:   # pre_rotates excludes direct plans
         persistent = plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1"
         stage_kt, stages = ws_ring(persistent)
         plan = replace(plan, ws=True, ws_gate_up=persistent,
