@@ -76,4 +76,12 @@ for base in (q, odd):   # whole-chunk ring stages against 4-k-tile ones, with a 
         moe_plan(ExpertSet(base.gate, base.up, base.down, "silu", stages=[st]), 300, 8, block_m=128,
                  out_dtype=torch.float16)
 os.environ.pop("EXL3MOE_MOE_WS_STAGE_KT")
+for base in (q, odd):   # x chunks by TMA against cp.async
+    E = len(base.down)
+    st = ResidualStage(res(base.gate, 2, "mcg"), res(base.up, 2, "mcg"), res(base.down, 2, "mcg"), torch.zeros(E, 3))
+    for tma in ("0", "1"):
+        os.environ["EXL3MOE_MOE_X_TMA"] = tma
+        moe_plan(ExpertSet(base.gate, base.up, base.down, "silu", stages=[st]), 300, 8, block_m=128,
+                 out_dtype=torch.float16)
+os.environ.pop("EXL3MOE_MOE_X_TMA")
 print("noted")

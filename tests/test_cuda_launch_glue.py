@@ -12,7 +12,8 @@ from helpers import random_experts, random_stage, random_weight
 
 
 def signature(file: str, name: str) -> list:
-    """'ptr' / 'int' / 'float' for each parameter of extern "C" kernel `name` in kernels/cuda/`file`."""
+    """'ptr' / 'int' / 'float' for each parameter of extern "C" kernel `name` in kernels/cuda/`file`, then 'map?'
+    where the list ends with X_MAP_PARAM (a tensor map in builds that stage x by TMA)."""
     text = nvrtc.source(file)
     match = re.search(r"\n" + name + r"\(([^)]*)\)\s*\{", text)
     assert match, f"{name} not found in {file}"
@@ -20,12 +21,14 @@ def signature(file: str, name: str) -> list:
     for param in match.group(1).split(","):
         param = " ".join(param.split())
         kinds.append("ptr" if "*" in param else "float" if param.startswith("float") else "int")
-    return kinds
+    return kinds + (["map?"] if match.group(1).rstrip().endswith("X_MAP_PARAM") else [])
 
 
 def kind(arg) -> str:
     if arg is None or isinstance(arg, torch.Tensor):
         return "ptr"
+    if isinstance(arg, tuple) and arg[0] == "map":
+        return "map"
     assert not isinstance(arg, bool), "pass flags as int"
     return "float" if isinstance(arg, float) else "int"
 
@@ -43,12 +46,17 @@ def launches(monkeypatch):
                         lambda func, grid, block, args, shared=0, early=False: recorded.append((func, grid, block,
                                                                                                   args, early)))
     monkeypatch.setattr(nvrtc, "local_bytes", lambda func: 0)
+    monkeypatch.setattr(nvrtc, "x_tensor_map",
+                        lambda x, rows, cols, stride=None: ("map", x.data_ptr(), rows, cols, stride or cols))
     return recorded
 
 
 def check(recorded):
     for (file, name, _), grid, block, args, _ in recorded:
-        assert [kind(a) for a in args] == signature(file, name), name
+        kinds, expected = [kind(a) for a in args], signature(file, name)
+        if expected[-1:] == ["map?"]:
+            expected = expected[:-1] + kinds[-1:] if kinds[-1:] == ["map"] else expected[:-1]
+        assert kinds == expected, name
         assert all(g >= 1 for g in grid) and block % 32 == 0 and block <= 1024, (name, grid, block)
 
 
@@ -170,6 +178,12 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
     for name in ("rotate", "gate_up", "down"):
         calls[name]()
     check(launches)
+    assert mma.x_tma == (persistent_gate_up == "0" or not single_split), "TMA x beside the persistent gate/up: no"
+    capacity = plan.slot_capacity
+    maps = {func[1]: args[-1] for func, _, _, args, _ in launches if kind(args[-1]) == "map"}
+    expected = {"moe_gate_up_mma": ("map", runner._ws["mma_x_rot"].data_ptr(), 2 * capacity, 256, 256)}
+    expected.update({"moe_down_ws": ("map", runner._ws["h_rot"].data_ptr(), capacity, 384, 384)} if mma.ws_down else {})
+    assert maps == (expected if mma.x_tma else {}), "x by TMA over each kernel's whole x buffer"
     for (func, grid, block, args, _), shared in zip(launches, shared_bytes):
         name = func[1]
         if name in ("moe_gate_up_ws", "moe_down_ws"):
@@ -245,12 +259,20 @@ def test_cluster_launch_groups_whole_splits_and_allows_non_portable_sizes(launch
     assert len(allowed) == (splits > tm.PORTABLE_CLUSTER), "only sizes above 8 need the non-portable opt-in"
 
 
+@pytest.mark.parametrize("x_tma", ["1", "0"])
 @pytest.mark.parametrize("spb_env, expected_spb", [("", 1), ("3", 3)])
-def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, spb_env, expected_spb):
+def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, spb_env, expected_spb, x_tma):
+    """The linear's trellis_ws launch, with x by TMA (a tensor map over the call's rows, X_TMA) or by cp.async."""
     from exl3moe.kernels import trellis_mma as tm
 
     monkeypatch.setenv("EXL3MOE_WS_SPB", spb_env)
+    monkeypatch.setenv("EXL3MOE_WS_X_TMA", x_tma)
     monkeypatch.setattr(nvrtc, "sm_count", lambda device: 132)
+    shared_bytes = []
+    monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
+        launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="": (
+        file, name, dict(defines).get("X_TMA", 0)))
     w = random_weight(4096, 14336 // 8, 4, "mcg")  # 14 column blocks: 9 split groups fit in one wave
     tiles = tm.MmaTiles(8, 32)
     x = torch.randn(100, 4096).half()
@@ -258,9 +280,29 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
                   tiles)
     check(launches)
     (func, grid, block, args, early), = launches
+    if x_tma == "1":
+        assert func[2] == 1 and args[-1] == ("map", x.data_ptr(), 100, 4096, 4096)
+        assert shared_bytes == [tm.WS_SHARED_BYTES + 16], "two more barriers"
+        args = args[:-1]
+    else:
+        assert func[2] == 0 and shared_bytes == [tm.WS_SHARED_BYTES]
     assert func[1] == "trellis_ws" and block == tm.WS_THREADS == 768 and args[-1] == expected_spb
     assert not early, "the linear has no programmatic dependent launch"
     assert grid == (1792 // 128, -(-8 // expected_spb), 1), "every (128 columns, split group, 128 rows)"
+
+
+@pytest.mark.parametrize("K, codebook, env, expected", [
+    (4, "mcg", None, True), (2, "3inst", None, True), (8, "mcg", None, True), (3, "mul1", None, True),
+    (6, "mul1", None, True), (3, "mcg", None, False), (5, "3inst", None, False), (6, "mcg", None, False),
+    (7, "mcg", None, False), (3, "mcg", "1", True), (4, "mul1", "0", False)])
+def test_linear_x_by_tma_where_it_measured_faster(monkeypatch, K, codebook, env, expected):
+    """trellis_ws takes x by TMA for MUL1 and for K 1 / 2 / 4 / 8; EXL3MOE_WS_X_TMA forces either way."""
+    from exl3moe.kernels.trellis_mma import ws_x_tma
+
+    if env is not None:
+        monkeypatch.setenv("EXL3MOE_WS_X_TMA", env)
+    assert ws_x_tma(K, codebook) == expected
+    assert not ws_x_tma(K, codebook, torch.empty(4, 257).half()[:, 1:]), "rows off 16-byte alignment: cp.async"
 
 
 def test_splits_per_block_keep_one_wave():
@@ -335,11 +377,13 @@ def test_down_launches_as_a_dependent_of_its_gate_up_on_sm90(launches, monkeypat
     assert again.mma.early_down and again.shared_mma.early_down, "the knob keeps the early downs"
 
 
-@pytest.mark.parametrize("block_m, slots, direct, env, expected", [
-    (16, 32, False, None, False), (16, 33, False, None, True), (32, 2048, False, "0", False),
-    (64, 64, False, "0", True), (16, 16, True, None, False)])
-def test_packed_plans_of_more_than_32_slots_pre_rotate(monkeypatch, block_m, slots, direct, env, expected):
-    """A rotate launch from 64-row blocks on and in packed plans of more than 32 slots, never in direct calls."""
+@pytest.mark.parametrize("block_m, slots, direct, formats, env, expected", [
+    (16, 32, False, 3, None, False), (16, 33, False, 1, None, True), (16, 9, False, 4, None, True),
+    (16, 32, False, 7, "0", False), (32, 2048, False, 1, "0", False), (64, 64, False, 1, "0", True),
+    (16, 8, True, 7, None, False)])
+def test_packed_plans_of_many_slots_or_formats_pre_rotate(monkeypatch, block_m, slots, direct, formats, env, expected):
+    """A rotate launch from 64-row blocks on, and in packed plans of more than 32 slots or of 4+ formats, never in
+    direct calls."""
     if env is not None:
         monkeypatch.setenv("EXL3MOE_MOE_PRE_ROTATE_PACKED", env)
-    assert moe_mma.pre_rotates(block_m, slots, direct) == expected
+    assert moe_mma.pre_rotates(block_m, slots, direct, formats) == expected

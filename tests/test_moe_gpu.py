@@ -452,6 +452,29 @@ def test_whole_chunk_ring_stages_give_the_bytes_of_four_k_tile_stages(qwen3_laye
     assert rel_l2(outs["8"], moe(x, layer, ids, weights)) < 2e-3
 
 
+@pytest.mark.parametrize("shape", ["qwen3", "odd-chunks"])
+def test_x_chunks_by_tma_give_the_bytes_of_cp_async_beside_nan_rows(qwen3_layer, shape, monkeypatch):
+    """x chunks by TMA (EXL3MOE_MOE_X_TMA) give the bytes of per-thread copies, with a sparse residual stage and NaN
+    in every workspace row no position wrote (TMA reads the rows after a block's, which no output may see)."""
+    base = qwen3_layer if shape == "qwen3" else random_experts(16, 1152, 640, [4, 3, 6], ["mcg", "mul1", "3inst"], 80)
+    E, H, T, top_k = len(base.down), base.hidden_size, 300, 8
+    quarter = torch.zeros(E, 3, device="cuda")
+    quarter[1::4] = 0.1
+    layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=[residual_stage(base, quarter, 2, "mcg", 81)])
+    x = (torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(82)) / 32).half()
+    ids, weights = routing(T, E, top_k, 83)
+    outs = {}
+    for tma in ("0", "1"):
+        monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
+        plan = moe_plan(layer, T, top_k, block_m=128, out_dtype=torch.float16)
+        assert plan.mma.ws and plan.mma.x_tma == (tma == "1")
+        workspace = plan.allocate().fill_(0xFF)   # fp16 NaN
+        outs[tma] = torch.empty(T, H, device="cuda", dtype=torch.float16)
+        plan.bind(workspace).run(x, ids, weights, outs[tma])
+    assert torch.equal(bits(outs["0"]), bits(outs["1"]))
+    assert rel_l2(outs["1"], moe(x, layer, ids, weights)) < 2e-3
+
+
 def butterfly_rotation(rows: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
     """fp16(Hn128(rows * suh) / sqrt(128)) in fp32 with the kernels' butterflies: bits 0..6 of the index in order."""
     v = rows.float() * suh.float()

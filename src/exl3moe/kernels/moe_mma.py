@@ -60,6 +60,7 @@ class MoeMmaPlan:
     ws_down: bool = False  # down persistent and warp-specialized (moe_down_ws; single-split plans): no partials
     ws_stages: int = WS_STAGES  # ring stages of the warp-specialized kernels
     ws_stage_ktiles: int = WS_STAGE_KTILES  # k-tiles per ring stage
+    x_tma: bool = False  # ws gate/up and down stage x by TMA (X_TMA; not the persistent gate/up)
     small_call: bool = False  # at most SMALL_CALL_SLOTS slots per call
     one_wave: bool = False  # direct, and a full call's gate/up blocks fit at DIRECT_GATE_UP_MIN_BLOCKS per SM
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
@@ -84,11 +85,12 @@ def formats_up_to(max_k2: int, codebooks: tuple = tuple(CODEBOOK_ID)) -> tuple:
     return tuple((k2, cb) for k2 in range(2, max_k2 + 1) for cb in sorted(ids) if k2 % 2 == 0 or cb == mul1)
 
 
-def pre_rotates(block_m: int, max_slots: int = 0, direct: bool = False) -> bool:
+def pre_rotates(block_m: int, max_slots: int = 0, direct: bool = False, formats: int = 1) -> bool:
     """Rotating each row in all 2 I / 128 column blocks costs more than a launch that rotates it once: from 64-row
-    route blocks on, and in packed plans of more than SMALL_CALL_SLOTS slots (EXL3MOE_MOE_PRE_ROTATE_PACKED=0 keeps
-    those rotating in the kernel); never in direct calls."""
-    packed = max_slots > SMALL_CALL_SLOTS and os.environ.get("EXL3MOE_MOE_PRE_ROTATE_PACKED", "1") != "0"
+    route blocks on, and in packed plans of more than SMALL_CALL_SLOTS slots or of MIXED_MIN_FORMATS formats
+    (EXL3MOE_MOE_PRE_ROTATE_PACKED=0 keeps those rotating in the kernel); never in direct calls."""
+    packed = max_slots > SMALL_CALL_SLOTS or formats >= MIXED_MIN_FORMATS
+    packed = packed and os.environ.get("EXL3MOE_MOE_PRE_ROTATE_PACKED", "1") != "0"
     return not direct and (block_m >= PRE_ROTATE_BLOCK_M or packed)
 
 
@@ -135,7 +137,7 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
                                       PACKED_DOWN_TARGET_WARPS if packed else TARGET_WARPS)
     return MoeMmaPlan(block_m, warps, tuple(sorted(set(fmt[0] + fmt[1]))), tuple(sorted(set(fmt[2]))),
                       tuple(stage_formats), gu_splits, gu_ktiles, d_splits, d_ktiles,
-                      pre_rotates(block_m, max_slots, direct),
+                      pre_rotates(block_m, max_slots, direct, format_count(experts)),
                       direct, small_call=max_slots <= SMALL_CALL_SLOTS)
 
 
@@ -170,7 +172,8 @@ def ws_shared_bytes(plan: MoeMmaPlan, name: str) -> int:
     """Dynamic shared memory of a warp-specialized kernel: trellis_ws.cuh's, plus each consumer thread's 64 gate
     values for moe_gate_up_ws."""
     gate_values = WS_CONSUMER_THREADS * 64 * 4 if name == "moe_gate_up_ws" else 0
-    return ws_ring_shared_bytes(plan.ws_stages, plan.ws_stage_ktiles) + gate_values
+    x_barriers = 2 * 8 if plan.x_tma else 0
+    return ws_ring_shared_bytes(plan.ws_stages, plan.ws_stage_ktiles) + gate_values + x_barriers
 
 
 def uses_ws(block_m: int, device: torch.device) -> bool:
@@ -193,7 +196,8 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
         stage_kt, stages = ws_ring(persistent)
         plan = replace(plan, ws=True, ws_gate_up=persistent,
                        ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
-                       ws_stages=stages, ws_stage_ktiles=stage_kt)
+                       ws_stages=stages, ws_stage_ktiles=stage_kt,
+                       x_tma=not persistent and os.environ.get("EXL3MOE_MOE_X_TMA", "1") != "0")
     early = early_launch(experts.device)
     plan = replace(plan, split_inner=split_inner_grid(plan), early_down=not plan.ws_down and early,
                    early_gate_up=(early and after_down and not plan.pre_rotate and not plan.ws_gate_up
@@ -266,7 +270,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
                    ("PRE_ROTATED", 1), ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES),
                    ("WS", 1), ("STAGES", plan.ws_stages), ("STAGE_KT", plan.ws_stage_ktiles),
                    ("ROUTE_MAJOR", int(plan.route_major)))
-        return defines, prelude
+        return defines + ((("X_TMA", 1),) if plan.x_tma else ()), prelude
     mt, nt = plan.block_m // 16, 8 // plan.warps
     empty = ()
     formats = plan.gate_up_formats if gate_up else plan.down_formats
@@ -407,7 +411,8 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
                   sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2,
                   tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, partial, capacity, h_rot,
                   counters, plan.gate_up_ktiles, plan.gate_up_splits, ACTIVATIONS[tables.activation],
-                  int(tables.limit is not None), limit, x_rot, ids_64],
+                  int(tables.limit is not None), limit, x_rot, ids_64,
+                  *([nvrtc.x_tensor_map(x_rot, 2 * capacity, H)] if plan.x_tma else [])],
                  shared=ws_shared_bytes(plan, "moe_gate_up_mma") if plan.ws else 0, early=plan.early_gate_up)
 
 
@@ -428,7 +433,8 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
         nvrtc.launch(plan.down_kernel, (min(grid_blocks * (H // 128), nvrtc.sm_count(h_rot.device)), 1, 1), WS_THREADS,
                      [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr,
                       tables.svh_addr, tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I,
-                      grid_blocks], shared=ws_shared_bytes(plan, "moe_down_ws"))
+                      grid_blocks, *([nvrtc.x_tensor_map(h_rot, capacity, I)] if plan.x_tma else [])],
+                     shared=ws_shared_bytes(plan, "moe_down_ws"))
         return
     nvrtc.launch(plan.down_kernel, _grid(plan, grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,

@@ -228,8 +228,29 @@ def allow_non_portable_clusters(func) -> None:
         _non_portable.add(int(func))
 
 
+def x_tensor_map(x: torch.Tensor, rows: int, cols: int, stride: int | None = None):
+    """A tensor map (TMA) of x's first `rows` rows of `cols` 16-bit values, `stride` (default cols) apart (16-byte
+    aligned rows), in boxes of 128 rows x 64 values in the 128-byte swizzle; rows past the end read as 0. Cached by
+    address and shape: a map holds nothing else."""
+    return _x_tensor_map(x.data_ptr(), rows, cols, cols if stride is None else stride)
+
+
+@functools.lru_cache(maxsize=256)
+def _x_tensor_map(address: int, rows: int, cols: int, stride: int):
+    driver, _ = _bindings()
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    return _check(driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, address, [u64(cols), u64(rows)],
+        [u64(stride * 2)], [u32(64), u32(128)], [u32(1), u32(1)],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE), "cuTensorMapEncodeTiled")
+
+
 def launch(func, grid: tuple, block: int, args: list, shared: int = 0, early: bool = False) -> None:
-    """Launch on torch's current stream; args are tensors or None (pointers), ints or floats; `shared` bytes of
+    """Launch on torch's current stream; args are tensors or None (pointers), ints, floats or tensor maps
+    (x_tensor_map); `shared` bytes of
     dynamic shared memory (the function's limit is raised once where it exceeds the default 48 KB). `early`: a
     programmatic dependent launch of the stream's previous kernel (sm_90+), for kernels that wait for it
     (griddepcontrol.wait) before reading what it wrote."""
@@ -249,6 +270,9 @@ def launch(func, grid: tuple, block: int, args: list, shared: int = 0, early: bo
         elif isinstance(a, float):
             values.append(a)
             types.append(ctypes.c_float)
+        elif isinstance(a, driver.CUtensorMap):
+            values.append(a)
+            types.append(None)   # passed by value from the object's memory
         else:
             values.append(int(a))
             types.append(ctypes.c_int)

@@ -232,9 +232,18 @@ def uses_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def ws_kernel(K: float, codebook: str, device: torch.device):
+def ws_x_tma(K: float, codebook: str, x: torch.Tensor | None = None) -> bool:
+    """trellis_ws stages x by TMA (X_TMA) where x's rows are 16-byte aligned (None: rows of a workspace, always),
+    for MUL1 and for K 1, 2, 4 and 8 (MCG and 3INST at K 3, 5 and 6 measured 1-3% slower with it);
+    EXL3MOE_WS_X_TMA=0 keeps cp.async everywhere, 1 takes TMA everywhere."""
+    aligned = x is None or (x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) == 1)
+    env = os.environ.get("EXL3MOE_WS_X_TMA")
+    return aligned and env != "0" and (env == "1" or codebook == "mul1" or K in (1, 2, 4, 8))
+
+
+def ws_kernel(K: float, codebook: str, device: torch.device, x_tma: bool = False):
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH), ("STAGES", WS_STAGES),
-               ("STAGE_KT", WS_STAGE_KTILES), ("PAIR_SCALAR", WS_PAIR_SCALAR))
+               ("STAGE_KT", WS_STAGE_KTILES), ("PAIR_SCALAR", WS_PAIR_SCALAR)) + ((("X_TMA", 1),) if x_tma else ())
     return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0, arch_suffix="a")
 
 
@@ -252,10 +261,12 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
     tiles_n = w.trellis.shape[1]
     spb = ws_splits_per_block(tiles.splits, tiles_n // 8, nvrtc.sm_count(x.device))
     grid = (tiles_n // 8, -(-tiles.splits // spb), -(-rows // 128))
-    nvrtc.launch(ws_kernel(w.K, w.codebook, x.device), grid, WS_THREADS,
+    x_tma = ws_x_tma(w.K, w.codebook, x)
+    nvrtc.launch(ws_kernel(w.K, w.codebook, x.device, x_tma), grid, WS_THREADS,
                  [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
-                  tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb],
-                 shared=WS_SHARED_BYTES)
+                  tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb,
+                  *([nvrtc.x_tensor_map(x, rows, k, x.stride(0))] if x_tma else [])],
+                 shared=WS_SHARED_BYTES + (2 * 8 if x_tma else 0))
 
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,

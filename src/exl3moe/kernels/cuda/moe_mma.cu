@@ -26,6 +26,10 @@ static_assert(WARPS * 32 == WS_THREADS, "a warp-specialized block is its produce
 #define KERNEL_BOUNDS __launch_bounds__(WARPS * 32, MIN_BLOCKS)
 #endif
 
+#ifndef X_MAP_PARAM
+#define X_MAP_PARAM
+#endif
+
 #include "moe_route.cuh"
 #include "moe_ws_items.cuh"
 #include "moe_rotate.cuh"
@@ -43,7 +47,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 const float* __restrict__ bias, int num_experts, int hidden, int inter, float* __restrict__ part,
                 int capacity, unsigned short* __restrict__ h_rot, int* __restrict__ counters, int ktiles_per_split,
                 int splits, int activation, int has_limit, float limit, const unsigned short* __restrict__ x_rot,
-                int ids_64) {
+                int ids_64 X_MAP_PARAM) {
     TRACE_BEGIN;
     let_dependents_launch();
     const PrerequisiteOnExit chain{EARLY_GATE_UP && blockIdx.x + blockIdx.y + blockIdx.z == 0};
@@ -68,7 +72,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const WsShared sh(smem);
     ws_trace(0);
     const int tiles_n = inter / 16, jt = cblock * 8 + warp % WS_TILES;
-    ws_mainloop(sh, x_rot + (size_t)proj * capacity * hidden, start, nrows, hidden, kt0, kt1,
+    ws_mainloop(sh, X_ROWS(x_rot, (size_t)proj * capacity, hidden), start, nrows, kt0, kt1,
                 reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
                 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
                 [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_GATE_UP(words, key, cursor) },

@@ -50,13 +50,13 @@ __device__ __forceinline__ void ws_consume_item(WsAcc& acc, Consumer& consumer, 
 }
 
 // The warp-specialized mainloop of one (route block, 128 columns, k split): the consumer warps' accumulators of
-// rows [start, start + nrows) of x (row length `width`, pre-rotated) over k-tiles [kt0, kt1) go to store(acc, row0)
+// rows [start, start + nrows) of x (pre-rotated) over k-tiles [kt0, kt1) go to store(acc, row0)
 // (row0: the warp's first row in the block); produce(words, key, cursor) decodes one trellis into the ring. Both
 // roles leave with the block's entry register count.
 template <class Produce, class Store>
-__device__ __forceinline__ void ws_mainloop(const WsShared& sh, const unsigned short* x, int start, int nrows,
-                                            int width, int kt0, int kt1, const u32* words, int key, int index,
-                                            int stride, int num_stages, const long long* __restrict__ addr,
+__device__ __forceinline__ void ws_mainloop(const WsShared& sh, XSource x, int start, int nrows, int kt0, int kt1,
+                                            const u32* words, int key, int index, int stride, int num_stages,
+                                            const long long* __restrict__ addr,
                                             const int* __restrict__ k2, const int* __restrict__ codebook,
                                             const float* __restrict__ scale, Produce&& produce, Store&& store) {
     ws_roles(
@@ -66,7 +66,7 @@ __device__ __forceinline__ void ws_mainloop(const WsShared& sh, const unsigned s
         },
         [&] {
             WsAcc acc;
-            Consumer consumer(x, sh.xs, sh.ring, start, nrows, width);
+            Consumer consumer(x, sh.xs, sh.ring, sh.x_full, start, nrows);
             ws_consume_item(acc, consumer, sh, kt0, kt1, index, stride, num_stages, scale);
             store(acc, consumer_row0());
         });

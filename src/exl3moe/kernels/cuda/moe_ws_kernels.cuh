@@ -1,6 +1,6 @@
 // moe_mma.cu's persistent warp-specialized kernels: moe_gate_up_ws (opt-in) and moe_down_ws.
 #pragma once
-#if WS && defined(WS_PRODUCE_GATE_UP)
+#if WS && defined(WS_PRODUCE_GATE_UP) && !X_TMA
 // Gate and up of every (route block, 128 columns) item of a single-split plan, persistent like moe_down_ws: the
 // consumers run gate, keep its finished values (Hn(sum) * svh + bias) in shared memory, run up, and write
 // h_rot[pos] = fp16(Hn(act(gate, up) * down's suh) / sqrt(128)): the bytes of moe_gate_up_mma's last arrival.
@@ -41,7 +41,7 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
             float* keep = reinterpret_cast<float*>(sh.extra) + (threadIdx.x - PRODUCERS * 32);
             float* keep_up = reinterpret_cast<float*>(sh.xs) + (threadIdx.x - PRODUCERS * 32);
             constexpr int KEEP_STEP = CONSUMERS * 32;
-            Consumer consumer(x_rot, sh.xs, sh.ring, 0, 0, hidden);
+            Consumer consumer(X_ROWS(x_rot, 0, hidden), sh.xs, sh.ring, sh.x_full, 0, 0);
             WsAcc acc;
             for_each_item(items, cblocks, block_expert, block_start, offsets, num_experts,
                           [&](int expert, int start, int nrows, int item) {
@@ -49,7 +49,7 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
 #pragma unroll 1
                 for (int proj = 0; proj < 2; proj++) {
                     const int index = proj * num_experts + expert;
-                    consumer.retarget(x_rot + (size_t)proj * capacity * hidden, sh.xs, start, nrows, hidden);
+                    consumer.retarget(X_ROWS(x_rot, (size_t)proj * capacity, hidden), sh.xs, start, nrows);
                     ws_consume_item(acc, consumer, sh, kt0, kt1, index, stride, num_stages, stage_scale);
                     hadamard_rows(acc);
                     if (proj == 1) consumers_sync();   // no wgmma of either warpgroup reads the x buffers any more
@@ -105,7 +105,7 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
             const long long* __restrict__ svh_addr, const int* __restrict__ k2, const int* __restrict__ codebook,
             int num_stages, const long long* __restrict__ stage_addr, const int* __restrict__ stage_k2,
             const int* __restrict__ stage_codebook, const float* __restrict__ stage_scale,
-            const float* __restrict__ bias, int num_experts, int hidden, int inter, int blocks) {
+            const float* __restrict__ bias, int num_experts, int hidden, int inter, int blocks X_MAP_PARAM) {
     extern __shared__ __align__(16) unsigned char smem[];
     const WsShared sh(smem);
     const int warp = threadIdx.x >> 5, cblocks = hidden / 128, items = blocks * cblocks;
@@ -122,14 +122,14 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
         },
         [&] {
             const int lane = threadIdx.x & 31, row0 = consumer_row0() + (lane >> 2), t4 = lane & 3;
-            Consumer consumer(h_rot, sh.xs, sh.ring, 0, 0, inter);
+            Consumer consumer(X_ROWS(h_rot, 0, inter), sh.xs, sh.ring, sh.x_full, 0, 0);
             WsAcc acc;
             // The first item with rows from `item` on (items if none), its first x chunk staged.
             auto stage_next = [&](int item, int& expert, int& start, int& nrows) {
                 for (; item < items; item += gridDim.x)
                     if (route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert,
                                     start, nrows)) {
-                        consumer.retarget(h_rot, sh.xs, start, nrows, inter);
+                        consumer.retarget(X_ROWS(h_rot, 0, inter), sh.xs, start, nrows);
                         consumer.stage_first(kt0);
                         break;
                     }

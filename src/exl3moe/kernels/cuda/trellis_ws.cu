@@ -10,7 +10,7 @@ extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, float* __restrict__ part,
            const unsigned short* __restrict__ svh, const unsigned short* __restrict__ bias, void* __restrict__ out,
            int out_dtype, int* __restrict__ counters, int rows, int n, int tiles_n, int ktiles_total,
-           int ktiles_per_split, int stride_x, int stride_out, int splits, int splits_per_block) {
+           int ktiles_per_split, int stride_x, int stride_out, int splits, int splits_per_block X_MAP_PARAM) {
     extern __shared__ __align__(16) unsigned char smem[];
     const WsShared sh(smem);
     float* total = reinterpret_cast<float*>(sh.extra);
@@ -31,7 +31,7 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
     } else {
         role_registers<true, true>();
         const int row0 = consumer_row0(), my_rows = block_rows - row0, jt0 = blockIdx.x * WS_TILES;
-        Consumer consumer(x, sh.xs, sh.ring, m0, block_rows, stride_x);
+        Consumer consumer(X_ROWS(x, 0, stride_x), sh.xs, sh.ring, sh.x_full, m0, block_rows);
         WsAcc acc;
         zero_acc(acc);
         consumer.stage_first(kt_begin);

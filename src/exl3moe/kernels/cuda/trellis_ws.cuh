@@ -4,9 +4,12 @@
 // each) run two wgmma m64n64k16 per k-tile on them, with x staged by cp.async in the 128-byte swizzle. A k16 step
 // sums to the same bits on wgmma as on mma.sync, and every output element gets the same products in the same order
 // as in mma_mainloop. Compile-time (-D): PF (k-tiles of words prefetched per producer), STAGES (ring stages of
-// STAGE_KT k-tiles).
+// STAGE_KT k-tiles), X_TMA (x chunks by the tensor memory accelerator).
 #pragma once
 #include "trellis_core.cuh"
+#ifndef X_TMA
+#define X_TMA 0   // 1: one consumer thread asks TMA for each x chunk (a tensor map of x's rows), onto a barrier
+#endif
 
 constexpr int WS_ROWS = 128, WS_TILES = 8;
 constexpr int PRODUCERS = 16, K_TURNS = PRODUCERS / WS_TILES;   // the producers of a column take k-tiles in turn
@@ -228,6 +231,57 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
 __device__ __forceinline__ u32 x_swizzled_offset(int row, int p) {
     return (p >> 3) * (WS_ROWS * 128) + row * 128 + (((p & 7) ^ (row & 7)) << 4);
 }
+#if X_TMA
+struct alignas(64) XMap { unsigned long long words[16]; };   // a CUtensorMap: x's rows, boxes of 128 rows x 64
+
+// Rows of x: tensor-map rows from `row`; a kernel's tensor map is a __grid_constant__ parameter.
+struct XSource {
+    const XMap* map;
+    int row;
+};
+#define X_MAP_PARAM , const __grid_constant__ XMap x_map   // the last parameter of a kernel whose x goes by TMA
+#define X_ROWS(x, row, stride) (XSource{&x_map, (int)(row)})   // rows of x from `row` (its row stride `stride`)
+
+// The consumers' x chunks: the first consumer thread asks TMA for a chunk's two 64-input halves, which land in the
+// 128-byte swizzle (rows past the block are those that follow in x, or 0 past its end: no output reads them) and
+// complete on the buffer's barrier.
+struct XStager {
+    unsigned long long map;
+    int row;
+    u32 dst, bars;
+    bool issuer;
+
+    __device__ XStager(XSource src, unsigned short* xs, u64* x_full, int m0, int block_rows, int ct)
+        : map(reinterpret_cast<unsigned long long>(src.map)), row(src.row + m0), dst(smem_addr(xs)),
+          bars(smem_addr(x_full)), issuer(ct == 0) {}
+
+    // Chunk c0 (128 inputs from k-tile c0) into buffer buf.
+    __device__ __forceinline__ void stage(int c0, int buf) const {
+        if (!issuer) return;
+        const u32 bar = bars + buf * 8;
+        asm volatile("{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1; }"
+                     ::"r"(bar), "r"(XS_BYTES) : "memory");
+#pragma unroll
+        for (int h = 0; h < 2; h++)
+            asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+                         "%3}], [%4];" ::"r"(dst + buf * XS_BYTES + h * WS_ROWS * 128), "l"(map), "r"(c0 * 16 + h * 64),
+                         "r"(row), "r"(bar) : "memory");
+    }
+
+    // Waits until chunk `chunk` (buffer chunk % 2, its use chunk / 2) has landed.
+    __device__ __forceinline__ void wait(u32 chunk, u64* x_full) const {
+        mbar_wait(x_full + (chunk & 1), (chunk >> 1) & 1);
+    }
+};
+#else
+// Rows of x: x + row * stride.
+struct XSource {
+    const unsigned short* x;
+    int stride;
+};
+#define X_MAP_PARAM
+#define X_ROWS(x, row, stride) (XSource{(x) + (size_t)(row) * (stride), (stride)})
+
 constexpr int XS_PASS_ROWS = CONSUMERS * 2;            // rows the consumer threads stage in one pass
 
 // Consumer thread ct's part of staging x: rows first_row + XS_PASS_ROWS i of the block, 8 inputs from column col.
@@ -236,11 +290,11 @@ struct XStager {
     u32 dst, row_step;           // shared address of (first_row, col) in a chunk buffer; a pass of rows of x, in bytes
     int live;                    // rows first_row + XS_PASS_ROWS i with i < live exist
 
-    __device__ XStager(const unsigned short* x, unsigned short* xs, int m0, int block_rows, int stride_x, int ct) {
+    __device__ XStager(XSource x, unsigned short* xs, u64*, int m0, int block_rows, int ct) {
         const int first_row = ct >> 4, col = (ct & 15) * 8;
         dst = smem_addr(xs) + x_swizzled_offset(first_row, ct & 15);   // eight threads fill one 128-byte row
-        src = x + (size_t)(m0 + (first_row < block_rows ? first_row : 0)) * stride_x + col;
-        row_step = (u32)XS_PASS_ROWS * stride_x * 2u;
+        src = x.x + (size_t)(m0 + (first_row < block_rows ? first_row : 0)) * x.stride + col;
+        row_step = (u32)XS_PASS_ROWS * x.stride * 2u;
         live = (block_rows - first_row + XS_PASS_ROWS - 1) / XS_PASS_ROWS;
     }
 
@@ -254,7 +308,14 @@ struct XStager {
                          "l"(p + (i < live ? i * row_step : 0)), "r"(i < live ? 16 : 0) : "memory");
         asm volatile("cp.async.commit_group;" ::: "memory");
     }
+
+    // Waits until this thread's rows of the last chunk staged have landed, visible to the tensor cores.
+    __device__ __forceinline__ void wait(u32, u64*) const {
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    }
 };
+#endif
 
 // wgmma shared-memory descriptors (low word: start address, leading offset; high word: stride offset, layout).
 // Ring stages: K-major core matrices without swizzle, k-octets 128 bytes apart, column octets 256 bytes apart.
@@ -301,9 +362,11 @@ struct Consumer {
     XStager stager;
     u32 desc_x, desc_w, st, phase, held, chunk;
     bool has_rows;
+    u64* x_full;   // the x buffers' barriers (X_TMA)
 
-    __device__ Consumer(const unsigned short* x, unsigned short* xs, u32* ring, int m0, int block_rows, int stride_x)
-        : stager(x, xs, m0, block_rows, stride_x, threadIdx.x - PRODUCERS * 32), st(0), phase(0), held(0), chunk(0) {
+    __device__ Consumer(XSource x, unsigned short* xs, u32* ring, u64* x_full, int m0, int block_rows)
+        : stager(x, xs, x_full, m0, block_rows, threadIdx.x - PRODUCERS * 32), st(0), phase(0), held(0), chunk(0),
+          x_full(x_full) {
         const int group = consumer_group();
         desc_x = x_descriptor(smem_addr(xs) + group * 64 * 128);
         desc_w = ring_descriptor(smem_addr(ring));
@@ -316,9 +379,8 @@ struct Consumer {
     }
 
     // Stage the rows of another block from now on; the walk of the ring and of the x buffers carries on.
-    __device__ __forceinline__ void retarget(const unsigned short* x, unsigned short* xs, int m0, int block_rows,
-                                             int stride_x) {
-        stager = XStager(x, xs, m0, block_rows, stride_x, threadIdx.x - PRODUCERS * 32);
+    __device__ __forceinline__ void retarget(XSource x, unsigned short* xs, int m0, int block_rows) {
+        stager = XStager(x, xs, x_full, m0, block_rows, threadIdx.x - PRODUCERS * 32);
         has_rows = runs_wgmma(block_rows, consumer_group());
     }
 
@@ -330,12 +392,12 @@ struct Consumer {
         for (int c0 = kt0; c0 < kt1; c0 += CHUNK, chunk++) {
             const u32 buf = chunk & 1, x_chunk = desc_x + buf * (XS_BYTES >> 4);
             wgmma_wait<0>();   // the tensor cores are done reading the other buffer
-            asm volatile("cp.async.wait_group 0;" ::: "memory");            // this chunk's rows landed
-            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores
+            if (!X_TMA) stager.wait(chunk, x_full);   // this thread's rows of the chunk landed
             consumers_sync();  // every consumer's rows are in xs[buf], and none reads xs[buf ^ 1]
             ws_trace(10);
             const int next = c0 + CHUNK < kt1 ? c0 + CHUNK : next_kt;
             if (next >= 0) stager.stage(next, buf ^ 1);
+            if (X_TMA) stager.wait(chunk, x_full);    // the chunk landed
 #pragma unroll
             for (int q = 0; q < CHUNK / STAGE_KT; q++) {
                 ws_trace(11);
@@ -435,12 +497,13 @@ __device__ __forceinline__ void each_element(F&& f) {
             for (int e = 0; e < 4; e++) f(nt, h, e, (nt * 2 + h) * 4 + e);
 }
 
-// Shared memory of a warp-specialized block: the ring, two x chunk buffers (1024-byte aligned) and the ring's
-// full / empty barriers, then `extra` bytes for the caller; the barriers are initialised (call before any role).
+// Shared memory of a warp-specialized block: the ring, two x chunk buffers (1024-byte aligned), the ring's
+// full / empty barriers and (X_TMA) the x buffers', then `extra` bytes for the caller; the barriers are initialised
+// (call before any role).
 struct WsShared {
     u32* ring;
     unsigned short* xs;
-    u64 *full, *empty;
+    u64 *full, *empty, *x_full;   // x_full: the x buffers' barriers (X_TMA)
     unsigned char* extra;
 
     __device__ WsShared(unsigned char* smem) {
@@ -450,12 +513,15 @@ struct WsShared {
         xs = reinterpret_cast<unsigned short*>(xs_at);
         full = reinterpret_cast<u64*>(xs_at + 2 * XS_BYTES);
         empty = full + STAGES;
-        extra = reinterpret_cast<unsigned char*>(empty + STAGES);
+        x_full = empty + STAGES;
+        extra = reinterpret_cast<unsigned char*>(x_full + (X_TMA ? 2 : 0));
         if (threadIdx.x == 0) {
             for (int s = 0; s < STAGES; s++) {
                 mbar_init(full + s, WS_TILES);
                 mbar_init(empty + s, CONSUMERS);
             }
+            for (int b = 0; b < (X_TMA ? 2 : 0); b++) mbar_init(x_full + b, 1);
+            if (X_TMA) asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");   // seen by TMA
         }
         __syncthreads();
     }
