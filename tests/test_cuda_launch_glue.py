@@ -291,18 +291,21 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
     assert grid == (1792 // 128, -(-8 // expected_spb), 1), "every (128 columns, split group, 128 rows)"
 
 
-@pytest.mark.parametrize("K, codebook, env, expected", [
-    (4, "mcg", None, True), (2, "3inst", None, True), (8, "mcg", None, True), (3, "mul1", None, True),
-    (6, "mul1", None, True), (3, "mcg", None, False), (5, "3inst", None, False), (6, "mcg", None, False),
-    (7, "mcg", None, False), (3, "mcg", "1", True), (4, "mul1", "0", False)])
-def test_linear_x_by_tma_where_it_measured_faster(monkeypatch, K, codebook, env, expected):
-    """trellis_ws takes x by TMA for MUL1 and for K 1 / 2 / 4 / 8; EXL3MOE_WS_X_TMA forces either way."""
+@pytest.mark.parametrize("k, n, K, codebook, env, expected", [
+    (4096, 14336, 4, "mcg", None, True), (14336, 4096, 2, "3inst", None, True), (4096, 4096, 8, "mcg", None, True),
+    (4096, 14336, 3, "mul1", None, True), (4096, 14336, 6, "mul1", None, True), (4096, 14336, 3, "mcg", None, False),
+    (4096, 14336, 5, "3inst", None, False), (4096, 14336, 6, "mcg", None, False), (4096, 14336, 7, "mcg", None, False),
+    (2048, 768, 4, "mcg", None, False), (4096, 1408, 4, "mul1", None, False), (4096, 14336, 3, "mcg", "1", True),
+    (2048, 768, 4, "mcg", "1", True), (4096, 14336, 4, "mul1", "0", False)])
+def test_linear_x_by_tma_where_it_measured_faster(monkeypatch, k, n, K, codebook, env, expected):
+    """trellis_ws takes x by TMA for weights of 16M entries or more, in MUL1 and at K 1 / 2 / 4 / 8;
+    EXL3MOE_WS_X_TMA forces either way."""
     from exl3moe.kernels.trellis_mma import ws_x_tma
 
     if env is not None:
         monkeypatch.setenv("EXL3MOE_WS_X_TMA", env)
-    assert ws_x_tma(K, codebook) == expected
-    assert not ws_x_tma(K, codebook, torch.empty(4, 257).half()[:, 1:]), "rows off 16-byte alignment: cp.async"
+    assert ws_x_tma(k, n, K, codebook) == expected
+    assert not ws_x_tma(k, n, K, codebook, torch.empty(4, 257).half()[:, 1:]), "rows off 16-byte alignment: cp.async"
 
 
 def test_splits_per_block_keep_one_wave():

@@ -232,13 +232,15 @@ def uses_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
-def ws_x_tma(K: float, codebook: str, x: torch.Tensor | None = None) -> bool:
+def ws_x_tma(k: int, n: int, K: float, codebook: str, x: torch.Tensor | None = None) -> bool:
     """trellis_ws stages x by TMA (X_TMA) where x's rows are 16-byte aligned (None: rows of a workspace, always),
-    for MUL1 and for K 1, 2, 4 and 8 (MCG and 3INST at K 3, 5 and 6 measured 1-3% slower with it);
-    EXL3MOE_WS_X_TMA=0 keeps cp.async everywhere, 1 takes TMA everywhere."""
+    for weights of SMALL_WEIGHT entries or more in MUL1 or at K 1, 2, 4 and 8 (smaller weights, and MCG and 3INST
+    at K 3, 5 and 6, measured slower with it); EXL3MOE_WS_X_TMA=0 keeps cp.async everywhere, 1 takes TMA
+    everywhere."""
     aligned = x is None or (x.data_ptr() % 16 == 0 and x.stride(0) % 8 == 0 and x.stride(1) == 1)
     env = os.environ.get("EXL3MOE_WS_X_TMA")
-    return aligned and env != "0" and (env == "1" or codebook == "mul1" or K in (1, 2, 4, 8))
+    measured_faster = k * n >= SMALL_WEIGHT and (codebook == "mul1" or K in (1, 2, 4, 8))
+    return aligned and env != "0" and (env == "1" or measured_faster)
 
 
 def ws_kernel(K: float, codebook: str, device: torch.device, x_tma: bool = False):
@@ -261,7 +263,7 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
     tiles_n = w.trellis.shape[1]
     spb = ws_splits_per_block(tiles.splits, tiles_n // 8, nvrtc.sm_count(x.device))
     grid = (tiles_n // 8, -(-tiles.splits // spb), -(-rows // 128))
-    x_tma = ws_x_tma(w.K, w.codebook, x)
+    x_tma = ws_x_tma(k, tiles_n * 16, w.K, w.codebook, x)
     nvrtc.launch(ws_kernel(w.K, w.codebook, x.device, x_tma), grid, WS_THREADS,
                  [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
                   tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb,

@@ -126,7 +126,7 @@ class LinearPlan:
                                           for rows in fused_rows}:
                 call_kernel(w, mt, fuse_in, prefetch, self.mma, w.device)
             if any(uses_ws(rows, k, n, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
-                ws_kernel(w.K, w.codebook, w.device, ws_x_tma(w.K, w.codebook))
+                ws_kernel(w.K, w.codebook, w.device, ws_x_tma(k, n, w.K, w.codebook))
             if not fuses_rotation(max_rows, k, n):
                 rotate_kernel(w.device)
             if self.dense_path:
