@@ -68,20 +68,14 @@ os.environ.pop("EXL3MOE_MOE_WS")
 for T in (1, 16):   # replays with a shared expert
     moe_plan(q, T, 8, shared=experts(1, 2048, 768, [4], ["mcg"]), out_dtype=torch.float16)
 odd = experts(16, 1152, 640, [4, 3, 6], ["mcg", "mul1", "3inst"])
-for base in (q, odd):   # whole-chunk ring stages against 4-k-tile ones, with a sparse residual stage
-    E = len(base.down)
-    st = ResidualStage(res(base.gate, 2, "mcg"), res(base.up, 2, "mcg"), res(base.down, 2, "mcg"), torch.zeros(E, 3))
-    for kt in ("4", "8"):
-        os.environ["EXL3MOE_MOE_WS_STAGE_KT"] = kt
-        moe_plan(ExpertSet(base.gate, base.up, base.down, "silu", stages=[st]), 300, 8, block_m=128,
-                 out_dtype=torch.float16)
-os.environ.pop("EXL3MOE_MOE_WS_STAGE_KT")
-for base in (q, odd):   # x chunks by TMA against cp.async
-    E = len(base.down)
-    st = ResidualStage(res(base.gate, 2, "mcg"), res(base.up, 2, "mcg"), res(base.down, 2, "mcg"), torch.zeros(E, 3))
-    for tma in ("0", "1"):
-        os.environ["EXL3MOE_MOE_X_TMA"] = tma
-        moe_plan(ExpertSet(base.gate, base.up, base.down, "silu", stages=[st]), 300, 8, block_m=128,
-                 out_dtype=torch.float16)
-os.environ.pop("EXL3MOE_MOE_X_TMA")
+for env, values in (("EXL3MOE_MOE_WS_STAGE_KT", ("4", "8")), ("EXL3MOE_MOE_X_TMA", ("0", "1"))):
+    for base in (q, odd):   # whole-chunk ring stages against 4-k-tile ones; x by TMA against cp.async
+        E = len(base.down)
+        st = ResidualStage(res(base.gate, 2, "mcg"), res(base.up, 2, "mcg"), res(base.down, 2, "mcg"),
+                           torch.zeros(E, 3))
+        for value in values:
+            os.environ[env] = value
+            moe_plan(ExpertSet(base.gate, base.up, base.down, "silu", stages=[st]), 300, 8, block_m=128,
+                     out_dtype=torch.float16)
+    os.environ.pop(env)
 print("noted")

@@ -430,49 +430,44 @@ def test_warp_specialized_experts_give_mma_sync_bytes(qwen3_layer, monkeypatch):
     assert rel_l2(outs["1"], moe(x, layer, ids, weights)) < 2e-3
 
 
+def ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, env, values, planned, seed, nan=False):
+    """Runs a 128-row plan of the Qwen3 layer (or a 16-expert layer of odd chunk counts: hidden 1152, inter 640) with a
+    residual stage on a quarter of the experts under each value of environment setting `env`: planned(plan.mma,
+    value) holds for each plan, the outputs' bytes agree, and they match float64. nan: the workspace starts as NaN."""
+    base = qwen3_layer if shape == "qwen3" else random_experts(16, 1152, 640, [4, 3, 6], ["mcg", "mul1", "3inst"],
+                                                               seed)
+    E, H, T, top_k = len(base.down), base.hidden_size, 300, 8
+    quarter = torch.zeros(E, 3, device="cuda")
+    quarter[seed % 4::4] = 0.1
+    layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=[residual_stage(base, quarter, 2, "mcg", seed + 1)])
+    x = (torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + 2)) / 32).half()
+    ids, weights = routing(T, E, top_k, seed + 3)
+    outs = []
+    for value in values:
+        monkeypatch.setenv(env, value)
+        plan = moe_plan(layer, T, top_k, block_m=128, out_dtype=torch.float16)
+        assert plan.mma.ws and planned(plan.mma, value), value
+        workspace = plan.allocate().fill_(0xFF) if nan else plan.allocate()   # 0xFFFF: fp16 NaN
+        outs.append(torch.empty(T, H, device="cuda", dtype=torch.float16))
+        plan.bind(workspace).run(x, ids, weights, outs[-1])
+    assert all(torch.equal(bits(outs[0]), bits(out)) for out in outs[1:])
+    assert rel_l2(outs[-1], moe(x, layer, ids, weights)) < 2e-3
+
+
 @pytest.mark.parametrize("shape", ["qwen3", "odd-chunks"])
 def test_whole_chunk_ring_stages_give_the_bytes_of_four_k_tile_stages(qwen3_layer, shape, monkeypatch):
     """Ring stages of 8 k-tiles (EXL3MOE_MOE_WS_STAGE_KT=8; odd stage counts per range in the odd-chunk layer) give
     the bytes of 4-k-tile stages, with a sparse residual stage."""
-    base = qwen3_layer if shape == "qwen3" else random_experts(16, 1152, 640, [4, 3, 6], ["mcg", "mul1", "3inst"], 70)
-    E, H, T, top_k = len(base.down), base.hidden_size, 300, 8
-    quarter = torch.zeros(E, 3, device="cuda")
-    quarter[::4] = 0.1
-    layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=[residual_stage(base, quarter, 2, "mcg", 71)])
-    x = (torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(72)) / 32).half()
-    ids, weights = routing(T, E, top_k, 73)
-    outs = {}
-    for kt in ("4", "8"):
-        monkeypatch.setenv("EXL3MOE_MOE_WS_STAGE_KT", kt)
-        plan = moe_plan(layer, T, top_k, block_m=128, out_dtype=torch.float16)
-        assert plan.mma.ws and plan.mma.ws_stage_ktiles == int(kt)
-        outs[kt] = torch.empty(T, H, device="cuda", dtype=torch.float16)
-        plan.bind(plan.allocate()).run(x, ids, weights, outs[kt])
-    assert torch.equal(bits(outs["4"]), bits(outs["8"]))
-    assert rel_l2(outs["8"], moe(x, layer, ids, weights)) < 2e-3
+    ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_WS_STAGE_KT", ("4", "8"),
+                                    lambda mma, kt: mma.ws_stage_ktiles == int(kt), 70)
 
 
 @pytest.mark.parametrize("shape", ["qwen3", "odd-chunks"])
 def test_x_chunks_by_tma_give_the_bytes_of_cp_async_beside_nan_rows(qwen3_layer, shape, monkeypatch):
     """x chunks by TMA (EXL3MOE_MOE_X_TMA) give the bytes of per-thread copies, with a sparse residual stage and NaN
     in every workspace row no position wrote (TMA reads the rows after a block's, which no output may see)."""
-    base = qwen3_layer if shape == "qwen3" else random_experts(16, 1152, 640, [4, 3, 6], ["mcg", "mul1", "3inst"], 80)
-    E, H, T, top_k = len(base.down), base.hidden_size, 300, 8
-    quarter = torch.zeros(E, 3, device="cuda")
-    quarter[1::4] = 0.1
-    layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=[residual_stage(base, quarter, 2, "mcg", 81)])
-    x = (torch.randn(T, H, device="cuda", generator=torch.Generator(device="cuda").manual_seed(82)) / 32).half()
-    ids, weights = routing(T, E, top_k, 83)
-    outs = {}
-    for tma in ("0", "1"):
-        monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
-        plan = moe_plan(layer, T, top_k, block_m=128, out_dtype=torch.float16)
-        assert plan.mma.ws and plan.mma.x_tma == (tma == "1")
-        workspace = plan.allocate().fill_(0xFF)   # fp16 NaN
-        outs[tma] = torch.empty(T, H, device="cuda", dtype=torch.float16)
-        plan.bind(workspace).run(x, ids, weights, outs[tma])
-    assert torch.equal(bits(outs["0"]), bits(outs["1"]))
-    assert rel_l2(outs["1"], moe(x, layer, ids, weights)) < 2e-3
+    ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_X_TMA", ("0", "1"),
+                                    lambda mma, tma: mma.x_tma == (tma == "1"), 81, nan=True)
 
 
 def butterfly_rotation(rows: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
