@@ -1,10 +1,10 @@
 // Warp-specialized trellis matmul for blocks of 128 rows on sm_90a (shared by trellis_ws.cu and moe_mma.cu):
 // producer warps decode the 8 n16 tiles of a 128-column block into a ring of shared-memory stages (the mma.sync B
 // fragments trellis_mma decodes, stored as wgmma core matrices), and two consumer warpgroups (64 rows x 128 columns
-// each) run two wgmma m64n64k16 per k-tile on them, with x staged by cp.async in the 128-byte swizzle. A k16 step
-// sums to the same bits on wgmma as on mma.sync, and every output element gets the same products in the same order
-// as in mma_mainloop. Compile-time (-D): PF (k-tiles of words prefetched per producer), STAGES (ring stages of
-// STAGE_KT k-tiles), X_TMA (x chunks by the tensor memory accelerator).
+// each) run two wgmma m64n64k16 per k-tile on them, with x staged in the 128-byte swizzle (cp.async, or TMA). A
+// k16 step sums to the same bits on wgmma as on mma.sync, and every output element gets the same products in the
+// same order as in mma_mainloop. Compile-time (-D): PF (k-tiles of words prefetched per producer), STAGES (ring
+// stages of STAGE_KT k-tiles), X_TMA (x chunks by the tensor memory accelerator).
 #pragma once
 #include "trellis_core.cuh"
 #ifndef X_TMA
