@@ -184,13 +184,15 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
     expected = {"moe_gate_up_mma": ("map", runner._ws["mma_x_rot"].data_ptr(), 2 * capacity, 256, 256)}
     expected.update({"moe_down_ws": ("map", runner._ws["h_rot"].data_ptr(), capacity, 384, 384)} if mma.ws_down else {})
     assert maps == (expected if mma.x_tma else {}), "x by TMA over each kernel's whole x buffer"
+    assert mma.ws_paired == (not mma.ws_gate_up), "paired producers beside the persistent gate/up: no"
+    threads = 640 if mma.ws_paired else 768
     for (func, grid, block, args, _), shared in zip(launches, shared_bytes):
         name = func[1]
         if name in ("moe_gate_up_ws", "moe_down_ws"):
-            assert grid == (5, 1, 1) and block == moe_mma.WS_THREADS, name
+            assert grid == (5, 1, 1) and block == threads, name
             assert shared == moe_mma.ws_shared_bytes(mma, name) <= 227 * 1024, name
         elif name == "moe_gate_up_mma":
-            assert (block, shared) == (moe_mma.WS_THREADS, moe_mma.ws_shared_bytes(mma, name))
+            assert (block, shared) == (threads, moe_mma.ws_shared_bytes(mma, name))
         else:
             assert (block, shared) == (mma.warps * 32, 0), name
 
@@ -280,15 +282,45 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
                   tiles)
     check(launches)
     (func, grid, block, args, early), = launches
+    ring = 3 * 16384 + 1024 + 65536 + 48 + 128 * 136 * 4   # stages of 4 k-tiles, x chunks, barriers, running sum
     if x_tma == "1":
         assert func[2] == 1 and args[-1] == ("map", x.data_ptr(), 100, 4096, 4096)
-        assert shared_bytes == [tm.WS_SHARED_BYTES + 16], "two more barriers"
+        assert shared_bytes == [ring + 16], "two more barriers"
         args = args[:-1]
     else:
-        assert func[2] == 0 and shared_bytes == [tm.WS_SHARED_BYTES]
-    assert func[1] == "trellis_ws" and block == tm.WS_THREADS == 768 and args[-1] == expected_spb
+        assert func[2] == 0 and shared_bytes == [ring]
+    assert func[1] == "trellis_ws" and block == 768 and args[-1] == expected_spb
     assert not early, "the linear has no programmatic dependent launch"
     assert grid == (1792 // 128, -(-8 // expected_spb), 1), "every (128 columns, split group, 128 rows)"
+
+
+@pytest.mark.parametrize("env", [None, "1"])
+def test_linear_paired_producers_launch(launches, monkeypatch, env):
+    """Paired producers: 640 threads, WS_PRODUCERS 12 and a ring of 5 stages, where each block runs every split
+    (4096 x 14336: 112 column blocks on 132 SMs) or where EXL3MOE_WS_PAIRED=1 asks; not on 14336 x 4096."""
+    from exl3moe.kernels import trellis_mma as tm
+
+    if env:
+        monkeypatch.setenv("EXL3MOE_WS_PAIRED", env)
+    defines = []
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, name, d, index, prelude="", arch_suffix="": (
+        defines.append(dict(d)), (file, name, ""))[1])
+    shared_bytes = []
+    monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
+        launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
+    for k, n in ((4096, 14336), (14336, 4096)):
+        w = random_weight(k, n, 4, "mcg")
+        x = torch.randn(100, k).half()
+        tiles = tm.plan_mma(k, n)
+        tm._launch_ws(x, w, torch.empty(tiles.splits, 100, n), torch.zeros(tm.counter_count(n, 128), dtype=torch.int32),
+                      torch.empty(100, n).half(), tiles)
+    check(launches)
+    for (k, n), (_, grid, block, _, _), d, shared in zip(((4096, 14336), (14336, 4096)), launches, defines,
+                                                         shared_bytes):
+        paired = env == "1" or n == 14336
+        assert (block, d.get("WS_PRODUCERS"), d["STAGES"]) == ((640, 12, 5) if paired else (768, None, 3)), (k, n)
+        assert shared == tm.ws_shared_bytes(d.get("X_TMA", 0) == 1, paired) <= 227 * 1024
+        assert tm.ws_paired(k, n, tm.plan_mma(k, n).splits, 132) == paired
 
 
 @pytest.mark.parametrize("k, n, K, codebook, env, expected", [

@@ -120,6 +120,24 @@ def test_warp_specialized_kernel_gives_trellis_mma_bytes(k, n, spb, dtype, monke
         assert torch.equal(y.view(torch.uint8), ref.view(torch.uint8)), rows
 
 
+@pytest.mark.parametrize("k,n,K,codebook", [(4096, 14336, 4, "mcg"), (14336, 4096, 3, "mul1"), (2048, 768, 6, "3inst"),
+                                             (4096, 1408, 8, "mcg"), (1408, 4096, 2, "mul1")])
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_paired_producers_give_trellis_mma_bytes(k, n, K, codebook, tma, monkeypatch):
+    """trellis_ws on 12 paired producers (EXL3MOE_WS_PAIRED=1) and on 16 give trellis_mma's bytes."""
+    w = make_weight(k, n, K, codebook, seed=11)
+    x = torch.randn(128, k, device="cuda").half()
+    monkeypatch.setenv("EXL3MOE_WS", "0")
+    expected = {rows: linear(x[:rows], w) for rows in (20, 65, 128)}
+    monkeypatch.setenv("EXL3MOE_WS", "1")
+    monkeypatch.setenv("EXL3MOE_WS_X_TMA", tma)
+    monkeypatch.setenv("EXL3MOE_WS_MIN_ROWS", "17")
+    for paired in ("0", "1"):
+        monkeypatch.setenv("EXL3MOE_WS_PAIRED", paired)
+        for rows, ref in expected.items():
+            assert torch.equal(linear(x[:rows], w).view(torch.int16), ref.view(torch.int16)), (paired, rows)
+
+
 @pytest.mark.parametrize("k,n,K,codebook,dtype", [
     (768, 2048, 4, "mcg", torch.float16), (768, 2048, 3, "mul1", torch.bfloat16),
     (768, 2048, 6, "3inst", torch.float32), (4096, 14336, 4, "mcg", torch.float16),

@@ -470,6 +470,16 @@ def test_x_chunks_by_tma_give_the_bytes_of_cp_async_beside_nan_rows(qwen3_layer,
                                     lambda mma, tma: mma.x_tma == (tma == "1"), 81, nan=True)
 
 
+@pytest.mark.parametrize("shape", ["qwen3", "odd-chunks"])
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_paired_producers_give_the_bytes_of_sixteen_beside_nan_rows(qwen3_layer, shape, tma, monkeypatch):
+    """12 paired producers (two tile columns each; wgmma m64n128k16 consumers) give the bytes of 16 producers of one
+    column, with x by cp.async and by TMA."""
+    monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
+    ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_WS_PAIRED", ("0", "1"),
+                                    lambda mma, paired: mma.ws_paired == (paired == "1"), 90 + int(tma), nan=True)
+
+
 def butterfly_rotation(rows: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:
     """fp16(Hn128(rows * suh) / sqrt(128)) in fp32 with the kernels' butterflies: bits 0..6 of the index in order."""
     v = rows.float() * suh.float()

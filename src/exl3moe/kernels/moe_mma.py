@@ -16,8 +16,8 @@ import torch
 from ..errors import ContractError
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
-from .trellis_mma import (CHUNK_K, PAIR_SCALAR_MAX_MT, WS_STAGE_KTILES, WS_STAGES, WS_THREADS, chunk_splits,
-                          pair_scalar, ws_ring_shared_bytes)
+from .trellis_mma import (CHUNK_K, PAIR_SCALAR_MAX_MT, WS_STAGE_KTILES, WS_STAGES, chunk_splits,
+                          pair_scalar, ws_ring_shared_bytes, ws_threads)
 
 PREFETCH = 4
 CHUNK_KTILES, MIXED_KTILE_UNROLL = CHUNK_K // 16, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
@@ -55,12 +55,13 @@ class MoeMmaPlan:
     down_ktiles: int
     pre_rotate: bool  # gate/up inputs rotated once per position by moe_rotate_input, not in every column block
     direct: bool = False  # one block per slot, read from topk_ids (no route pack); down also combines
-    ws: bool = False  # gate/up's 128-row blocks warp-specialized (trellis_ws.cuh): WS_THREADS, dynamic smem
+    ws: bool = False  # gate/up's 128-row blocks warp-specialized (trellis_ws.cuh): ws_threads, dynamic smem
     ws_gate_up: bool = False  # gate/up persistent on ws (moe_gate_up_ws; single-split plans; opt-in): no partials
     ws_down: bool = False  # down persistent and warp-specialized (moe_down_ws; single-split plans): no partials
     ws_stages: int = WS_STAGES  # ring stages of the warp-specialized kernels
     ws_stage_ktiles: int = WS_STAGE_KTILES  # k-tiles per ring stage
     x_tma: bool = False  # ws gate/up and down stage x by TMA (X_TMA; not the persistent gate/up)
+    ws_paired: bool = False  # ws gate/up and down on 12 paired producers (WS_PRODUCERS; not the persistent gate/up)
     small_call: bool = False  # at most SMALL_CALL_SLOTS slots per call
     one_wave: bool = False  # direct, and a full call's gate/up blocks fit at DIRECT_GATE_UP_MIN_BLOCKS per SM
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
@@ -197,7 +198,8 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
         plan = replace(plan, ws=True, ws_gate_up=persistent,
                        ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
                        ws_stages=stages, ws_stage_ktiles=stage_kt,
-                       x_tma=not persistent and os.environ.get("EXL3MOE_MOE_X_TMA", "1") != "0")
+                       x_tma=not persistent and os.environ.get("EXL3MOE_MOE_X_TMA", "1") != "0",
+                       ws_paired=not persistent and os.environ.get("EXL3MOE_MOE_WS_PAIRED", "1") != "0")
     early = early_launch(experts.device)
     plan = replace(plan, split_inner=split_inner_grid(plan), early_down=not plan.ws_down and early,
                    early_gate_up=(early and after_down and not plan.pre_rotate and not plan.ws_gate_up
@@ -266,11 +268,12 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
         formats = plan.gate_up_formats if gate_up else plan.down_formats
         prelude = _produce("WS_PRODUCE_GATE_UP" if gate_up else "WS_PRODUCE_DOWN",
                            tuple(sorted(set(formats) | set(plan.stage_formats))))
-        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", WS_THREADS // 32),
+        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", ws_threads(plan.ws_paired) // 32),
                    ("PRE_ROTATED", 1), ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES),
                    ("WS", 1), ("STAGES", plan.ws_stages), ("STAGE_KT", plan.ws_stage_ktiles),
                    ("ROUTE_MAJOR", int(plan.route_major)))
-        return defines + ((("X_TMA", 1),) if plan.x_tma else ()), prelude
+        defines += ((("X_TMA", 1),) if plan.x_tma else ()) + ((("WS_PRODUCERS", 12),) if plan.ws_paired else ())
+        return defines, prelude
     mt, nt = plan.block_m // 16, 8 // plan.warps
     empty = ()
     formats = plan.gate_up_formats if gate_up else plan.down_formats
@@ -399,13 +402,13 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
     limit = float(tables.limit) if tables.limit is not None else 0.0
     if plan.ws_gate_up:
         nvrtc.launch(plan.gate_up_kernel, (min(grid_blocks * (I // 128), nvrtc.sm_count(hidden.device)), 1, 1),
-                     WS_THREADS,
+                     ws_threads(plan.ws_paired),
                      [block_expert, block_start, offsets, tables.trellis_addr, tables.suh_addr, tables.svh_addr,
                       tables.k2, tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, capacity, h_rot,
                       ACTIVATIONS[tables.activation], int(tables.limit is not None), limit, x_rot, grid_blocks],
                      shared=ws_shared_bytes(plan, "moe_gate_up_ws"))
         return
-    threads = WS_THREADS if plan.ws else plan.warps * 32
+    threads = ws_threads(plan.ws_paired) if plan.ws else plan.warps * 32
     nvrtc.launch(plan.gate_up_kernel, _grid(plan, grid_blocks, 2 * I // 128, plan.gate_up_splits), threads,
                  [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
                   sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2,
@@ -430,7 +433,8 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
     block_expert, block_start, offsets, sorted_slots = route
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     if plan.ws_down:
-        nvrtc.launch(plan.down_kernel, (min(grid_blocks * (H // 128), nvrtc.sm_count(h_rot.device)), 1, 1), WS_THREADS,
+        nvrtc.launch(plan.down_kernel, (min(grid_blocks * (H // 128), nvrtc.sm_count(h_rot.device)), 1, 1),
+                     ws_threads(plan.ws_paired),
                      [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr,
                       tables.svh_addr, tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I,
                       grid_blocks, *([nvrtc.x_tensor_map(h_rot, capacity, I)] if plan.x_tma else [])],

@@ -207,16 +207,22 @@ def counter_count(n: int, max_rows: int) -> int:
 
 OUT_DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 
-WS_STAGES, WS_STAGE_KTILES, WS_THREADS = 3, 4, 768  # trellis_ws: ring stages of 4 k-tiles; 16 + 8 warps
+WS_STAGES, WS_STAGE_KTILES = 3, 4  # trellis_ws: ring stages of 4 k-tiles
 WS_PAIR_SCALAR = 1   # trellis_ws producers' pair sums: scalar HADDs and a PRMT pack
+WS_PAIRED_STAGES = 5   # the linear's ring with paired producers, which wait for a stage before they decode it
+
+
+def ws_threads(paired: bool = False) -> int:
+    """Threads of a trellis_ws block: 16 producer warps, or 12 paired ones (two tile columns each), and 8 consumers."""
+    return ((12 if paired else 16) + 8) * 32
+
+
 # trellis_ws.cuh's dynamic shared memory (WsShared): ring stages, alignment slack, two x chunks, the barriers; the
 # linear adds its running sum (128 rows of 136 fp32).
 def ws_ring_shared_bytes(stages: int = WS_STAGES, stage_ktiles: int = WS_STAGE_KTILES) -> int:
     return stages * stage_ktiles * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 2 * stages * 8
 
 
-WS_RING_SHARED_BYTES = ws_ring_shared_bytes()
-WS_SHARED_BYTES = WS_RING_SHARED_BYTES + 128 * 136 * 4
 # Calls from this many rows (x rotated) run on trellis_ws: weights under MID_WEIGHT entries, under SMALL_WEIGHT, larger.
 WS_MIN_ROWS, WS_MIN_ROWS_MID, WS_MIN_ROWS_LARGE, MID_WEIGHT = 32, 33, 64, 1 << 22
 
@@ -243,9 +249,26 @@ def ws_x_tma(k: int, n: int, K: float, codebook: str, x: torch.Tensor | None = N
     return aligned and env != "0" and (env == "1" or measured_faster)
 
 
-def ws_kernel(K: float, codebook: str, device: torch.device, x_tma: bool = False):
-    defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH), ("STAGES", WS_STAGES),
-               ("STAGE_KT", WS_STAGE_KTILES), ("PAIR_SCALAR", WS_PAIR_SCALAR)) + ((("X_TMA", 1),) if x_tma else ())
+def ws_paired(k: int, n: int, splits: int, sms: int) -> bool:
+    """trellis_ws with paired producers (one wgmma m64n128k16 per k-tile, WS_PAIRED_STAGES stages) for weights of
+    SMALL_WEIGHT entries or more whose blocks each run every split (measured faster there, slower on the other
+    shapes); EXL3MOE_WS_PAIRED=0 / 1 forces it either way."""
+    env = os.environ.get("EXL3MOE_WS_PAIRED")
+    whole = ws_splits_per_block(splits, n // 128, sms) >= splits
+    return env != "0" and (env == "1" or (k * n >= SMALL_WEIGHT and whole))
+
+
+def ws_shared_bytes(x_tma: bool, paired: bool) -> int:
+    """trellis_ws's dynamic shared memory: the ring, x chunks and barriers, and the running sum."""
+    return (ws_ring_shared_bytes(WS_PAIRED_STAGES if paired else WS_STAGES) + 128 * 136 * 4
+            + (2 * 8 if x_tma else 0))
+
+
+def ws_kernel(K: float, codebook: str, device: torch.device, x_tma: bool = False, paired: bool = False):
+    defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH),
+               ("STAGES", WS_PAIRED_STAGES if paired else WS_STAGES), ("STAGE_KT", WS_STAGE_KTILES),
+               ("PAIR_SCALAR", WS_PAIR_SCALAR)) + ((("X_TMA", 1),) if x_tma else ())
+    defines += (("WS_PRODUCERS", 12),) if paired else ()
     return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0, arch_suffix="a")
 
 
@@ -264,11 +287,12 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
     spb = ws_splits_per_block(tiles.splits, tiles_n // 8, nvrtc.sm_count(x.device))
     grid = (tiles_n // 8, -(-tiles.splits // spb), -(-rows // 128))
     x_tma = ws_x_tma(k, tiles_n * 16, w.K, w.codebook, x)
-    nvrtc.launch(ws_kernel(w.K, w.codebook, x.device, x_tma), grid, WS_THREADS,
+    paired = ws_paired(k, tiles_n * 16, tiles.splits, nvrtc.sm_count(x.device))
+    nvrtc.launch(ws_kernel(w.K, w.codebook, x.device, x_tma, paired), grid, ws_threads(paired),
                  [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
                   tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb,
                   *([nvrtc.x_tensor_map(x, rows, k, x.stride(0))] if x_tma else [])],
-                 shared=WS_SHARED_BYTES + (2 * 8 if x_tma else 0))
+                 shared=ws_shared_bytes(x_tma, paired))
 
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,

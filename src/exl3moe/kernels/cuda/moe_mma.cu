@@ -71,7 +71,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     extern __shared__ __align__(16) unsigned char smem[];
     const WsShared sh(smem);
     ws_trace(0);
-    const int tiles_n = inter / 16, jt = cblock * 8 + warp % WS_TILES;
+    const int tiles_n = inter / 16, jt = cblock * 8 + producer_column(warp);
     ws_mainloop(sh, X_ROWS(x_rot, (size_t)proj * capacity, hidden), start, nrows, kt0, kt1,
                 reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
                 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,

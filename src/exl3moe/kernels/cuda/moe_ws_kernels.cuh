@@ -28,7 +28,8 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
                 if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start,
                                  nrows))
                     continue;
-                const int jt = (item % cblocks) * WS_TILES + warp % WS_TILES, index = (q & 1) * num_experts + expert;
+                const int jt = (item % cblocks) * WS_TILES + producer_column(warp);
+                const int index = (q & 1) * num_experts + expert;
                 ws_produce_index(trellis_addr, k2, codebook, index, stride, num_stages, stage_addr, stage_k2,
                                  stage_codebook, stage_scale, kt1 / STAGE_KT, cursor,
                                  [&](const u32* words, int key, u32 at) { WS_PRODUCE_GATE_UP(words, key, at) });
@@ -114,7 +115,7 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
         [&](u32& cursor) {
             for_each_item(items, cblocks, block_expert, block_start, offsets, num_experts,
                           [&](int expert, int start, int nrows, int item) {
-                const int index = 2 * num_experts + expert, jt = (item % cblocks) * WS_TILES + warp % WS_TILES;
+                const int index = 2 * num_experts + expert, jt = (item % cblocks) * WS_TILES + producer_column(warp);
                 ws_produce_index(trellis_addr, k2, codebook, index, stride, num_stages, stage_addr, stage_k2,
                                  stage_codebook, stage_scale, kt1 / STAGE_KT, cursor,
                                  [&](const u32* words, int key, u32 at) { WS_PRODUCE_DOWN(words, key, at) });

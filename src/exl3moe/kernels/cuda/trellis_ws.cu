@@ -24,8 +24,8 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
     ws_trace(0);
     if (warp < PRODUCERS) {
         role_registers<false, true>();
-        produce<K2, CB>(sh.ring, sh.full, sh.empty, words, tiles_n, blockIdx.x * WS_TILES + warp % WS_TILES, kt_begin,
-                        kt_end, warp, 0);
+        produce<K2, CB>(sh.ring, sh.full, sh.empty, words, tiles_n, blockIdx.x * WS_TILES + producer_column(warp),
+                        kt_begin, kt_end, warp, 0);
         ws_trace(99);
         role_registers<false, false>();
     } else {

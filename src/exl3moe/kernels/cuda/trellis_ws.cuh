@@ -1,30 +1,42 @@
 // Warp-specialized trellis matmul for blocks of 128 rows on sm_90a (shared by trellis_ws.cu and moe_mma.cu):
 // producer warps decode the 8 n16 tiles of a 128-column block into a ring of shared-memory stages (the mma.sync B
 // fragments trellis_mma decodes, stored as wgmma core matrices), and two consumer warpgroups (64 rows x 128 columns
-// each) run two wgmma m64n64k16 per k-tile on them, with x staged in the 128-byte swizzle (cp.async, or TMA). A
-// k16 step sums to the same bits on wgmma as on mma.sync, and every output element gets the same products in the
-// same order as in mma_mainloop. Compile-time (-D): PF (k-tiles of words prefetched per producer), STAGES (ring
-// stages of STAGE_KT k-tiles), X_TMA (x chunks by the tensor memory accelerator).
+// each) run wgmma on them (two m64n64k16 per k-tile, or one m64n128k16 with paired producers), with x staged in the
+// 128-byte swizzle (cp.async, or TMA). A k16 step sums to the same bits on wgmma as on mma.sync, and every output
+// element gets the same products in the same order as in mma_mainloop. Compile-time (-D): PF (k-tiles of words
+// prefetched per producer), STAGES (ring stages of STAGE_KT k-tiles), X_TMA (x chunks by the tensor memory
+// accelerator), WS_PRODUCERS (16, or 12 paired producers).
 #pragma once
 #include "trellis_core.cuh"
 #ifndef X_TMA
 #define X_TMA 0   // 1: one consumer thread asks TMA for each x chunk (a tensor map of x's rows), onto a barrier
 #endif
+#ifndef WS_PRODUCERS
+#define WS_PRODUCERS 16   // 12: paired producers, each decoding two tile columns
+#endif
 
 constexpr int WS_ROWS = 128, WS_TILES = 8;
-constexpr int PRODUCERS = 16, K_TURNS = PRODUCERS / WS_TILES;   // the producers of a column take k-tiles in turn
+constexpr int PRODUCERS = WS_PRODUCERS, PRODUCER_COLS = PRODUCERS == 16 ? 1 : 2;   // tile columns per producer
+constexpr int TURN_WARPS = WS_TILES / PRODUCER_COLS, K_TURNS = PRODUCERS / TURN_WARPS;   // stages taken in turns
+static_assert(PRODUCERS == 16 || PRODUCERS == 12, "16 producers of one column or 12 of two");
+// ptxas gives m64n128k16's 64 accumulators 90 registers at the block's entry, which 768 threads do not have.
+constexpr int WGMMA_N = PRODUCERS == 16 ? 64 : 128;
 constexpr int CONSUMERS = 8;                            // two warpgroups
 constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
 #ifndef STAGE_KT
 #define STAGE_KT 4                                      // k-tiles per ring stage
 #endif
 constexpr int PF_STAGES = PF > STAGE_KT ? PF / STAGE_KT : 1;   // stages of words prefetched (stages below a chunk)
-// Stages of a whole chunk: a range may hold an odd count, so the turns' shares differ, and each producer waits for
-// its stage before it decodes one k-tile at a time into it (the registers of one k-tile's fragments).
+// Stages of a whole chunk, or any stages of paired producers: a range's stage count need not divide among the
+// turns, and each producer waits for its stage before it decodes one k-tile at a time into it (the registers of one
+// k-tile's fragments).
 constexpr bool WHOLE_CHUNK_STAGES = STAGE_KT * K_TURNS > CHUNK;
-static_assert(WHOLE_CHUNK_STAGES ? STAGE_KT == CHUNK && STAGE_KT % PF == 0
+static_assert(WHOLE_CHUNK_STAGES ? STAGE_KT % PF == 0 && (STAGE_KT == CHUNK || PRODUCER_COLS > 1)
                                  : PF % STAGE_KT == 0 && (CHUNK / (STAGE_KT * K_TURNS)) % PF_STAGES == 0,
               "a producer's stages of a chunk: whole prefetch rounds");
+
+// Producer warp p's first tile column of a block (its PRODUCER_COLS columns follow).
+__device__ __forceinline__ int producer_column(int p) { return (p % TURN_WARPS) * PRODUCER_COLS; }
 constexpr int KTILE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
 constexpr u32 XS_BYTES = 32 * 1024;                    // one staged x chunk (128 rows x 128 inputs), 1024-aligned
@@ -105,7 +117,8 @@ __device__ __forceinline__ void warp_arrive(u64* bar) {
 
 // Register budgets per role: a block starts at ENTRY_REGS per thread, producers give some back and the consumer
 // warpgroups take them for their 64 accumulators; both return to ENTRY_REGS before code that every warp runs.
-constexpr int ENTRY_REGS = (65536 / WS_THREADS) & ~7, PRODUCER_REGS = 72, CONSUMER_REGS = 96;
+constexpr int ENTRY_REGS = (65536 / WS_THREADS) & ~7, PRODUCER_REGS = PRODUCERS == 16 ? 72 : 88;
+constexpr int CONSUMER_REGS = PRODUCERS == 16 ? 96 : 104;
 static_assert(PRODUCERS * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (PRODUCERS + CONSUMERS) * ENTRY_REGS,
               "register budget of a block");
 template <bool consumer, bool begin>
@@ -134,6 +147,14 @@ __device__ __forceinline__ void ws_roles(Produce&& produce, Consume&& consume) {
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
 
+// The words of a producer's PRODUCER_COLS tile columns (adjacent in the trellis) of the k-tile `offset` words on.
+template <class T>
+__device__ __forceinline__ void load_columns(const WordStream<T>& stream, u32 (&w)[PRODUCER_COLS][T::NW],
+                                             size_t offset) {
+#pragma unroll
+    for (int c = 0; c < PRODUCER_COLS; c++) stream.load(w[c], offset + c * T::WT);
+}
+
 // produce's whole-chunk stages: each waits for its ring stage, then decodes and stores one k-tile at a time, with
 // the words of the producer's next PF k-tiles in flight.
 template <class T>
@@ -142,22 +163,25 @@ __device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* 
                                                      u32 cursor) {
     constexpr int ROLL = PF;
     const u32 sh = stream.shift;
-    u32 buf[ROLL][T::NW];
+    u32 buf[ROLL][PRODUCER_COLS][T::NW];
 #pragma unroll
     for (int t = 0; t < ROLL; t++)
-        if (mine > 0) stream.load(buf[t], t * k_tile);
+        if (mine > 0) load_columns(stream, buf[t], t * k_tile);
     for (int j = 0; j < mine; j++) {
         const u32 i = cursor + j * K_TURNS + turn, s = i % STAGES;
-        u32* dst = ring + s * STAGE_U32 + (p % WS_TILES) * 128 + (threadIdx.x & 31);   // as in produce
+        u32* dst = ring + s * STAGE_U32 + producer_column(p) * 128 + (threadIdx.x & 31);   // as in produce
         mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
 #pragma unroll
         for (int t = 0; t < STAGE_KT; t++) {
-            u32 b[4];
-            T::decode_tile(buf[t % ROLL], sh, b);
-            if (t + ROLL < STAGE_KT) stream.load(buf[t % ROLL], (t + ROLL) * k_tile);
-            else if (j + 1 < mine) stream.load(buf[t % ROLL], k_step + (t + ROLL - STAGE_KT) * k_tile);
+            u32 b[PRODUCER_COLS][4];
 #pragma unroll
-            for (int f = 0; f < 4; f++) dst[t * KTILE_U32 + 32 * f] = b[f];
+            for (int c = 0; c < PRODUCER_COLS; c++) T::decode_tile(buf[t % ROLL][c], sh, b[c]);
+            if (t + ROLL < STAGE_KT) load_columns(stream, buf[t % ROLL], (t + ROLL) * k_tile);
+            else if (j + 1 < mine) load_columns(stream, buf[t % ROLL], k_step + (t + ROLL - STAGE_KT) * k_tile);
+#pragma unroll
+            for (int c = 0; c < PRODUCER_COLS; c++)
+#pragma unroll
+                for (int f = 0; f < 4; f++) dst[t * KTILE_U32 + c * 128 + 32 * f] = b[c][f];
         }
         stream.advance(k_step);
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
@@ -165,15 +189,16 @@ __device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* 
     }
 }
 
-// Producer warp p: tile column jt (the block's p % 8th) of the (2K, codebook) trellis `words`, ring stages
-// cursor + i for i = p / 8 (mod K_TURNS) of STAGE_KT k-tiles each (k-tiles kt_begin + STAGE_KT i + t), decoded into
-// ring stage (cursor + i) % STAGES; cursor counts the stages the block's earlier ranges used.
+// Producer warp p: tile columns jt.. (the block's producer_column(p)th and the PRODUCER_COLS - 1 after it) of the
+// (2K, codebook) trellis `words`, ring stages cursor + i for i = p / TURN_WARPS (mod K_TURNS) of STAGE_KT k-tiles
+// each (k-tiles kt_begin + STAGE_KT i + t), decoded into ring stage (cursor + i) % STAGES; cursor counts the stages
+// the block's earlier ranges used.
 template <int K2_, int CB_>
 __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const u32* __restrict__ words, int tiles_n,
                                        int jt, int kt_begin, int kt_end, int p, u32 cursor) {
     using T = Trellis<K2_, CB_>;
     const int lane = threadIdx.x & 31;
-    const int turn = p / WS_TILES;   // k ranges: whole chunks
+    const int turn = p / TURN_WARPS;   // k ranges: whole chunks
     const int mine = WHOLE_CHUNK_STAGES ? ((kt_end - kt_begin) / STAGE_KT + K_TURNS - 1 - turn) / K_TURNS
                                         : (kt_end - kt_begin) / (STAGE_KT * K_TURNS);
     const size_t k_tile = (size_t)tiles_n * T::WT, k_step = k_tile * STAGE_KT * K_TURNS;
@@ -212,7 +237,7 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
             ws_trace(2);
             // Fragment b[t][f] of every lane is one 8 x 8 core matrix of k-tile t (n-octet 2 jt + f / 2, k-octet
             // f % 2), 128 bytes.
-            u32* dst = ring + s * STAGE_U32 + (p % WS_TILES) * 128 + lane;
+            u32* dst = ring + s * STAGE_U32 + producer_column(p) * 128 + lane;
 #pragma unroll
             for (int t = 0; t < STAGE_KT; t++)
 #pragma unroll
@@ -342,6 +367,28 @@ __device__ __forceinline__ void wgmma_64x64(float* v, u32 desc_a, u32 desc_b) {
                  : "l"(a), "l"(b));
 }
 
+// v[0..64) += A (k16 of 64 x rows at desc_a) x B (k16 x n128 at desc_b): wgmma_64x64's two halves in one.
+__device__ __forceinline__ void wgmma_64x128(float* v, u32 desc_a, u32 desc_b) {
+    u64 a, b;
+    asm("mov.b64 %0, {%1, %2};" : "=l"(a) : "r"(desc_a), "r"(X_DESC_HI));
+    asm("mov.b64 %0, {%1, %2};" : "=l"(b) : "r"(desc_b), "r"(RING_DESC_HI));
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
+                 "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
+                 "%30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "
+                 "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
+                 "%63}, %64, %65, 1, 1, 1, 0, 0;"
+                 : "+f"(v[0]), "+f"(v[1]), "+f"(v[2]), "+f"(v[3]), "+f"(v[4]), "+f"(v[5]), "+f"(v[6]), "+f"(v[7]),
+                 "+f"(v[8]), "+f"(v[9]), "+f"(v[10]), "+f"(v[11]), "+f"(v[12]), "+f"(v[13]), "+f"(v[14]),
+                 "+f"(v[15]), "+f"(v[16]), "+f"(v[17]), "+f"(v[18]), "+f"(v[19]), "+f"(v[20]), "+f"(v[21]),
+                 "+f"(v[22]), "+f"(v[23]), "+f"(v[24]), "+f"(v[25]), "+f"(v[26]), "+f"(v[27]), "+f"(v[28]),
+                 "+f"(v[29]), "+f"(v[30]), "+f"(v[31]), "+f"(v[32]), "+f"(v[33]), "+f"(v[34]), "+f"(v[35]),
+                 "+f"(v[36]), "+f"(v[37]), "+f"(v[38]), "+f"(v[39]), "+f"(v[40]), "+f"(v[41]), "+f"(v[42]),
+                 "+f"(v[43]), "+f"(v[44]), "+f"(v[45]), "+f"(v[46]), "+f"(v[47]), "+f"(v[48]), "+f"(v[49]),
+                 "+f"(v[50]), "+f"(v[51]), "+f"(v[52]), "+f"(v[53]), "+f"(v[54]), "+f"(v[55]), "+f"(v[56]),
+                 "+f"(v[57]), "+f"(v[58]), "+f"(v[59]), "+f"(v[60]), "+f"(v[61]), "+f"(v[62]), "+f"(v[63])
+                 : "l"(a), "l"(b));
+}
+
 template <int N>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
@@ -408,13 +455,14 @@ struct Consumer {
                     const u32 w_stage = desc_w + st * (STAGE_U32 * 4 >> 4);
                     // Each accumulator's k-tiles back to back (columns 0..63, then 64..127, column octets 8..15).
 #pragma unroll
-                    for (int half = 0; half < 2; half++)
+                    for (int half = 0; half < 128 / WGMMA_N; half++)
 #pragma unroll
                         for (int t = 0; t < STAGE_KT; t++) {
                             const u32 s = STAGE_KT * q + t;   // k-tile within the chunk
                             const u32 a = x_chunk + (((s >> 2) * WS_ROWS * 128 + (s & 3) * 32) >> 4);
                             const u32 b = w_stage + t * (KTILE_U32 * 4 >> 4) + half * (8 * 256 >> 4);
-                            wgmma_64x64(&acc[0][4 * half][0][0], a, b);
+                            if constexpr (WGMMA_N == 128) wgmma_64x128(&acc[0][0][0][0], a, b);
+                            else wgmma_64x64(&acc[0][4 * half][0][0], a, b);
                         }
                     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
                     ws_trace(14);
@@ -517,7 +565,7 @@ struct WsShared {
         extra = reinterpret_cast<unsigned char*>(x_full + (X_TMA ? 2 : 0));
         if (threadIdx.x == 0) {
             for (int s = 0; s < STAGES; s++) {
-                mbar_init(full + s, WS_TILES);
+                mbar_init(full + s, TURN_WARPS);
                 mbar_init(empty + s, CONSUMERS);
             }
             for (int b = 0; b < (X_TMA ? 2 : 0); b++) mbar_init(x_full + b, 1);

@@ -1,0 +1,128 @@
+"""Does shared-memory traffic beside the tensor pipe bound trellis_ws's consumers, and would one wgmma m64n128k16 per
+k-tile (A read once) beat two m64n64k16? One block per SM: two consumer warpgroups walk a 3-stage ring of 4 k-tiles
+(each stage: 8 m64n64k16 or 4 m64n128k16 per warpgroup, both operands in 128-byte-swizzled shared memory), and P
+producer warps in two turns wait on empty, store `bytes` per stage into another shared region (the ring stores and x
+staging of trellis_ws: 32 KB per stage), and arrive on full. Prints cycles per k-tile of the block (128 at the tensor
+peak). Usage: python3 scripts/wgmma_smem_rate.py [--compile-only]"""
+
+import sys
+
+import torch
+
+from exl3moe.kernels import nvrtc
+
+ITERS = 512
+
+
+def source(n: int, threads: int) -> str:
+    regs, group = n // 2, 8 * 64 // n
+    outs = ", ".join(f"%{i}" for i in range(regs))
+    binds = ", ".join(f'"+f"(acc[{i}])' for i in range(regs))
+    return f"""
+__device__ __forceinline__ unsigned smem(const void* p) {{ return (unsigned)__cvta_generic_to_shared(p); }}
+__device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {{
+    unsigned done = 0;
+    while (!done)
+        asm volatile("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 0x989680; "
+                     "selp.u32 %0, 1, 0, p; }}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}}
+__device__ __forceinline__ void arrive(unsigned bar) {{
+    asm volatile("{{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }}" ::"r"(bar) : "memory");
+}}
+__device__ __forceinline__ void init(unsigned long long* bar, unsigned count) {{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem(bar)), "r"(count) : "memory");
+}}
+
+extern "C" __global__ void __launch_bounds__({threads}) wgmma_smem_rate(unsigned long long* cycles, float* sink,
+                                                                      int iters, int stage_bytes) {{
+    extern __shared__ __align__(1024) unsigned char operands[];
+    __shared__ __align__(8) unsigned long long full[3], empty[3];
+    const int producers = blockDim.x / 32 - 8, turn_warps = producers / 2;
+    for (int i = threadIdx.x; i < 16640; i += blockDim.x) reinterpret_cast<unsigned*>(operands)[i] = 0x3c003c00u;
+    if (threadIdx.x < 3) {{
+        init(full + threadIdx.x, turn_warps);
+        init(empty + threadIdx.x, 8);
+    }}
+    __syncthreads();
+    if (threadIdx.x >= 256) {{   // producers in two turns: wait empty, store their share, arrive on full
+        const int w = (threadIdx.x - 256) / 32, lane = threadIdx.x % 32;
+        const int stores = stage_bytes / (128 * turn_warps);
+        unsigned* region = reinterpret_cast<unsigned*>(operands + 66560) + (w % turn_warps) * stores * 32 + lane;
+        for (int i = w / turn_warps; i < iters; i += 2) {{
+            wait_parity(smem(empty + i % 3), ((i / 3) & 1) ^ 1);
+            for (int s = 0; s < stores; s++) region[s * 32] = i + s;
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+            __syncwarp();
+            if (lane == 0) arrive(smem(full + i % 3));
+        }}
+        return;
+    }}
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    float acc[{regs}];
+#pragma unroll
+    for (int i = 0; i < {regs}; i++) {{
+        acc[i] = 0.f;
+        asm volatile("" : "+f"(acc[i])::"memory");
+    }}
+    const unsigned base = (smem(operands) + 1023) & ~1023u;
+    const unsigned long long a = (unsigned long long)(((base >> 4) & 0x3FFF) | (1u << 16)) |
+                                 ((unsigned long long)((1024 >> 4) | (1u << 30)) << 32);
+    const unsigned long long b = a + (32768 >> 4);
+    const long long start = clock64();
+    for (int it = 0; it < iters; it++) {{
+        wait_parity(smem(full + it % 3), (it / 3) & 1);
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int j = 0; j < {group}; j++)
+            asm volatile("wgmma.mma_async.sync.aligned.m64n{n}k16.f32.f16.f16 {{{outs}}}, %{regs}, %{regs + 1}, "
+                         "1, 1, 1, 0, 0;" : {binds} : "l"(a + 2 * (j & 3)), "l"(b + 2 * (j & 3)));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
+        if (it > 0 && threadIdx.x % 32 == 0) arrive(smem(empty + (it - 1) % 3));
+    }}
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < {regs}; i++) {{
+        asm volatile("" : "+f"(acc[i])::"memory");
+        sum += acc[i];
+    }}
+    const long long end = clock64();
+    sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+    if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + threadIdx.x / 128] = end - start;
+}}
+"""
+
+
+CASES = [(64, 16), (64, 12), (128, 12)]   # (wgmma n, producer warps)
+
+
+def main() -> None:
+    compile_only = "--compile-only" in sys.argv
+    if compile_only:
+        for n, producers in CASES:
+            text = source(n, 256 + 32 * producers) + nvrtc.source("trellis_core.cuh")
+            nvrtc.cached_cubin(text, {}, "sm_90a")
+            print(f"n{n} with {producers} producers: compiled")
+        return
+    dev = torch.device("cuda")
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    print(f"{torch.cuda.get_device_name(dev)}, {sms} SMs, {ITERS} stages of 4 k-tiles")
+    for n, producers in CASES:
+        threads = 256 + 32 * producers
+        func = nvrtc.kernel("trellis_core.cuh", "wgmma_smem_rate", (), dev.index or 0,
+                            prelude=source(n, threads), arch_suffix="a")
+        for stage_bytes in (0, 16384, 32768, 49152):
+            stage_bytes = stage_bytes // (128 * producers // 2) * (128 * producers // 2)
+            cycles = torch.zeros(sms * 2, dtype=torch.int64, device=dev)
+            sink = torch.zeros(sms * threads, device=dev)
+            for _ in range(2):
+                nvrtc.launch(func, (sms, 1, 1), threads, [cycles, sink, ITERS, stage_bytes], shared=66560 + 65536)
+            torch.cuda.synchronize()
+            per_ktile = (cycles.view(sms, 2).max(dim=1).values.double() / (ITERS * 4)).median().item()
+            print(f"m64n{n}k16, {producers} producers, {stage_bytes:6d} bytes stored per stage: "
+                  f"{per_ktile:6.1f} cycles per k-tile ({128 / per_ktile:.0%} of the tensor peak)")
+
+
+if __name__ == "__main__":
+    main()
