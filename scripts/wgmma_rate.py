@@ -15,21 +15,24 @@ REGS = N // 2
 OUTS = ", ".join(f"%{i}" for i in range(REGS))
 BINDS = ", ".join(f'"+f"(acc[{i}])' for i in range(REGS))
 
-SOURCE = f"""
-__device__ __forceinline__ unsigned smem(const void* p) {{ return (unsigned)__cvta_generic_to_shared(p); }}
-__device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {{
+BARRIER_HELPERS = """
+__device__ __forceinline__ unsigned smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {
     unsigned done = 0;
     while (!done)
-        asm volatile("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 0x989680; "
-                     "selp.u32 %0, 1, 0, p; }}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}}
-__device__ __forceinline__ void arrive(unsigned bar) {{
-    asm volatile("{{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }}" ::"r"(bar) : "memory");
-}}
-__device__ __forceinline__ void init(unsigned long long* bar, unsigned count) {{
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 0x989680; "
+                     "selp.u32 %0, 1, 0, p; }" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void arrive(unsigned bar) {
+    asm volatile("{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void init(unsigned long long* bar, unsigned count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem(bar)), "r"(count) : "memory");
-}}
+}
 
+"""
+
+SOURCE = BARRIER_HELPERS + f"""
 extern "C" __global__ void __launch_bounds__(768) wgmma_rate(unsigned long long* cycles, float* sink, int iters,
                                                            int mode, int groups) {{
     extern __shared__ __align__(1024) unsigned char operands[];

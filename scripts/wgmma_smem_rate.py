@@ -10,6 +10,7 @@ import sys
 import torch
 
 from exl3moe.kernels import nvrtc
+from wgmma_rate import BARRIER_HELPERS
 
 ITERS = 512
 
@@ -18,21 +19,7 @@ def source(n: int, threads: int, sets: int = 1) -> str:
     regs, group = n // 2, 8 * 64 // n
     outs = ", ".join(f"%{i}" for i in range(regs))
     binds = ", ".join(f'"+f"(acc[{i}])' for i in range(regs))
-    return f"""
-__device__ __forceinline__ unsigned smem(const void* p) {{ return (unsigned)__cvta_generic_to_shared(p); }}
-__device__ __forceinline__ void wait_parity(unsigned bar, unsigned parity) {{
-    unsigned done = 0;
-    while (!done)
-        asm volatile("{{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, 0x989680; "
-                     "selp.u32 %0, 1, 0, p; }}" : "=r"(done) : "r"(bar), "r"(parity) : "memory");
-}}
-__device__ __forceinline__ void arrive(unsigned bar) {{
-    asm volatile("{{ .reg .b64 st; mbarrier.arrive.shared::cta.b64 st, [%0]; }}" ::"r"(bar) : "memory");
-}}
-__device__ __forceinline__ void init(unsigned long long* bar, unsigned count) {{
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem(bar)), "r"(count) : "memory");
-}}
-
+    return BARRIER_HELPERS + f"""
 extern "C" __global__ void __launch_bounds__({threads}) wgmma_smem_rate(unsigned long long* cycles, float* sink,
                                                                       int iters, int stage_bytes, int alu) {{
     extern __shared__ __align__(1024) unsigned char operands[];
