@@ -350,42 +350,39 @@ constexpr u32 RING_DESC_HI = 256 >> 4;
 __device__ __forceinline__ u32 x_descriptor(u32 addr) { return ((addr >> 4) & 0x3FFF) | (1u << 16); }
 constexpr u32 X_DESC_HI = (1024 >> 4) | (1u << 30);
 
+// Inline-asm pieces of a wgmma with both operands in shared memory: accumulator placeholders %0..%31 and %32..%63,
+// and read-write bindings of v[i..i + 8).
+#define WGMMA_ACC_0_31 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, " \
+    "%19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+#define WGMMA_ACC_32_63 ", %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, " \
+    "%50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+#define WGMMA_BIND8(i) "+f"(v[i]), "+f"(v[i + 1]), "+f"(v[i + 2]), "+f"(v[i + 3]), "+f"(v[i + 4]), "+f"(v[i + 5]), \
+    "+f"(v[i + 6]), "+f"(v[i + 7])
+
+// The 64-bit shared-memory descriptors of x (A) at desc_a and of a ring stage (B) at desc_b.
+__device__ __forceinline__ void wgmma_descriptors(u32 desc_a, u32 desc_b, u64& a, u64& b) {
+    asm("mov.b64 %0, {%1, %2};" : "=l"(a) : "r"(desc_a), "r"(X_DESC_HI));
+    asm("mov.b64 %0, {%1, %2};" : "=l"(b) : "r"(desc_b), "r"(RING_DESC_HI));
+}
+
 // v[0..32) += A (k16 of 64 x rows at desc_a) x B (k16 x n64 at desc_b), one wgmma with both operands in shared
 // memory; v is the mma.sync accumulator layout of 4 n16 tiles.
 __device__ __forceinline__ void wgmma_64x64(float* v, u32 desc_a, u32 desc_b) {
     u64 a, b;
-    asm("mov.b64 %0, {%1, %2};" : "=l"(a) : "r"(desc_a), "r"(X_DESC_HI));
-    asm("mov.b64 %0, {%1, %2};" : "=l"(b) : "r"(desc_b), "r"(RING_DESC_HI));
-    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
-                 "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, "
-                 "%31}, %32, %33, 1, 1, 1, 0, 0;"
-                 : "+f"(v[0]), "+f"(v[1]), "+f"(v[2]), "+f"(v[3]), "+f"(v[4]), "+f"(v[5]), "+f"(v[6]), "+f"(v[7]),
-                 "+f"(v[8]), "+f"(v[9]), "+f"(v[10]), "+f"(v[11]), "+f"(v[12]), "+f"(v[13]), "+f"(v[14]),
-                 "+f"(v[15]), "+f"(v[16]), "+f"(v[17]), "+f"(v[18]), "+f"(v[19]), "+f"(v[20]), "+f"(v[21]),
-                 "+f"(v[22]), "+f"(v[23]), "+f"(v[24]), "+f"(v[25]), "+f"(v[26]), "+f"(v[27]), "+f"(v[28]),
-                 "+f"(v[29]), "+f"(v[30]), "+f"(v[31])
+    wgmma_descriptors(desc_a, desc_b, a, b);
+    asm volatile("wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {" WGMMA_ACC_0_31 "}, %32, %33, 1, 1, 1, 0, 0;"
+                 : WGMMA_BIND8(0), WGMMA_BIND8(8), WGMMA_BIND8(16), WGMMA_BIND8(24)
                  : "l"(a), "l"(b));
 }
 
 // v[0..64) += A (k16 of 64 x rows at desc_a) x B (k16 x n128 at desc_b): wgmma_64x64's two halves in one.
 __device__ __forceinline__ void wgmma_64x128(float* v, u32 desc_a, u32 desc_b) {
     u64 a, b;
-    asm("mov.b64 %0, {%1, %2};" : "=l"(a) : "r"(desc_a), "r"(X_DESC_HI));
-    asm("mov.b64 %0, {%1, %2};" : "=l"(b) : "r"(desc_b), "r"(RING_DESC_HI));
-    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, "
-                 "%11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, "
-                 "%30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, "
-                 "%49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, "
-                 "%63}, %64, %65, 1, 1, 1, 0, 0;"
-                 : "+f"(v[0]), "+f"(v[1]), "+f"(v[2]), "+f"(v[3]), "+f"(v[4]), "+f"(v[5]), "+f"(v[6]), "+f"(v[7]),
-                 "+f"(v[8]), "+f"(v[9]), "+f"(v[10]), "+f"(v[11]), "+f"(v[12]), "+f"(v[13]), "+f"(v[14]),
-                 "+f"(v[15]), "+f"(v[16]), "+f"(v[17]), "+f"(v[18]), "+f"(v[19]), "+f"(v[20]), "+f"(v[21]),
-                 "+f"(v[22]), "+f"(v[23]), "+f"(v[24]), "+f"(v[25]), "+f"(v[26]), "+f"(v[27]), "+f"(v[28]),
-                 "+f"(v[29]), "+f"(v[30]), "+f"(v[31]), "+f"(v[32]), "+f"(v[33]), "+f"(v[34]), "+f"(v[35]),
-                 "+f"(v[36]), "+f"(v[37]), "+f"(v[38]), "+f"(v[39]), "+f"(v[40]), "+f"(v[41]), "+f"(v[42]),
-                 "+f"(v[43]), "+f"(v[44]), "+f"(v[45]), "+f"(v[46]), "+f"(v[47]), "+f"(v[48]), "+f"(v[49]),
-                 "+f"(v[50]), "+f"(v[51]), "+f"(v[52]), "+f"(v[53]), "+f"(v[54]), "+f"(v[55]), "+f"(v[56]),
-                 "+f"(v[57]), "+f"(v[58]), "+f"(v[59]), "+f"(v[60]), "+f"(v[61]), "+f"(v[62]), "+f"(v[63])
+    wgmma_descriptors(desc_a, desc_b, a, b);
+    asm volatile("wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {" WGMMA_ACC_0_31 WGMMA_ACC_32_63 "}, %64, %65, "
+                 "1, 1, 1, 0, 0;"
+                 : WGMMA_BIND8(0), WGMMA_BIND8(8), WGMMA_BIND8(16), WGMMA_BIND8(24), WGMMA_BIND8(32), WGMMA_BIND8(40),
+                   WGMMA_BIND8(48), WGMMA_BIND8(56)
                  : "l"(a), "l"(b));
 }
 
