@@ -123,8 +123,8 @@ def main(args):
         del graphs
 
 
-if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
+def case_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options that choose the cases and define sets (shared with power_probe.py)."""
     ap.add_argument("--sets", nargs="+", default=["0"], help='define sets, "A=1,B=2" each; "0" for none')
     ap.add_argument("--shapes", nargs="*", default=["4096x14336"])
     ap.add_argument("--bits", nargs="+", type=int, default=[4])
@@ -135,8 +135,13 @@ if __name__ == "__main__":
     ap.add_argument("--moe-shapes", nargs="+", default=["qwen3-30b-a3b"], help="bench/moe.py SHAPES")
     ap.add_argument("--stages", nargs="*", default=[], help="Qwen3 K4 stage layers (bench/moe.py stage_layers)")
     ap.add_argument("--shared", action="store_true", help="MoE layers with a shared expert of their own width")
+    ap.add_argument("--note", action="store_true", help="note the variants for warm_cache.py (no GPU)")
+    return ap
+
+
+if __name__ == "__main__":
+    ap = case_arguments(argparse.ArgumentParser())
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=4)
-    ap.add_argument("--note", action="store_true", help="note the variants for warm_cache.py (no GPU)")
     a = ap.parse_args()
     note(a) if a.note else main(a)

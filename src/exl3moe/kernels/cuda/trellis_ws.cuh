@@ -42,7 +42,7 @@ constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
 constexpr u32 XS_BYTES = 32 * 1024;                    // one staged x chunk (128 rows x 128 inputs), 1024-aligned
 #ifndef WS_DIAG
 // Timing builds only (wrong results; scripts/ws_diag.sh): 1 no wgmma, 2 no decode, 4 no x staging, 8 no producer
-// proxy fence, 16 no trellis loads after the first, 32 no ring stores (2..32 in stages of 4 k-tiles only).
+// proxy fence, 16 no trellis loads after the first, 32 no ring stores.
 #define WS_DIAG 0
 #endif
 #ifndef WS_TRACE
@@ -175,16 +175,29 @@ __device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* 
         for (int t = 0; t < STAGE_KT; t++) {
             u32 b[PRODUCER_COLS][4];
 #pragma unroll
-            for (int c = 0; c < PRODUCER_COLS; c++) T::decode_tile(buf[t % ROLL][c], sh, b[c]);
-            if (t + ROLL < STAGE_KT) load_columns(stream, buf[t % ROLL], (t + ROLL) * k_tile);
-            else if (j + 1 < mine) load_columns(stream, buf[t % ROLL], k_step + (t + ROLL - STAGE_KT) * k_tile);
+            for (int c = 0; c < PRODUCER_COLS; c++) {
+                if (WS_DIAG & 2) {
+#pragma unroll
+                    for (int f = 0; f < 4; f++) b[c][f] = buf[t % ROLL][c][f % T::NW];
+                } else {
+                    T::decode_tile(buf[t % ROLL][c], sh, b[c]);
+                }
+            }
+            if (WS_DIAG & 16) {
+            } else if (t + ROLL < STAGE_KT) {
+                load_columns(stream, buf[t % ROLL], (t + ROLL) * k_tile);
+            } else if (j + 1 < mine) {
+                load_columns(stream, buf[t % ROLL], k_step + (t + ROLL - STAGE_KT) * k_tile);
+            }
 #pragma unroll
             for (int c = 0; c < PRODUCER_COLS; c++)
 #pragma unroll
-                for (int f = 0; f < 4; f++) dst[t * KTILE_U32 + c * 128 + 32 * f] = b[c][f];
+                for (int f = 0; f < 4; f++)
+                    if (!(WS_DIAG & 32)) dst[t * KTILE_U32 + c * 128 + 32 * f] = b[c][f];
         }
         stream.advance(k_step);
-        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
+        if (!(WS_DIAG & 8))
+            asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
         warp_arrive(full + s);
     }
 }
@@ -284,6 +297,10 @@ struct XStager {
     __device__ __forceinline__ void stage(int c0, int buf) const {
         if (!issuer) return;
         const u32 bar = bars + buf * 8;
+        if (WS_DIAG & 4) {   // no x: the buffer's phase completes on the arrival alone
+            asm volatile("{ .reg .b64 state; mbarrier.arrive.shared::cta.b64 state, [%0]; }" ::"r"(bar) : "memory");
+            return;
+        }
         asm volatile("{ .reg .b64 state; mbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1; }"
                      ::"r"(bar), "r"(XS_BYTES) : "memory");
 #pragma unroll
