@@ -5,6 +5,9 @@
 
 constexpr int TOTAL_STRIDE = 136;                     // row stride of the running sum: conflict-free float2 access
 constexpr int TOTAL_FLOATS = WS_ROWS * TOTAL_STRIDE;   // a block running every split: the running fp32 sum
+#ifndef TOTAL_BATCH
+#define TOTAL_BATCH 4   // running-sum elements a consumer thread reads before it writes them back
+#endif
 
 extern "C" __global__ void __launch_bounds__(WS_THREADS, 1)
 trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, float* __restrict__ part,
@@ -39,19 +42,25 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
             const int kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, ktiles_total);
             consumer.run(acc, sh.full, sh.empty, kt0, kt1, kt1 < kt_end ? kt1 : -1);
             if (whole) {
-                // total = ((0 + p0) + p1) + ...: each thread adds its own elements, where store_partials puts them.
+                // total = ((0 + p0) + p1) + ...: each thread adds its own elements, where store_partials puts them,
+                // reading TOTAL_BATCH of them before writing any (a read after each write would wait on it).
                 const int g = lane >> 2, t4 = lane & 3;
+                auto at = [&](int e) -> float2& {   // element e = 4 nt + 2 h + half
+                    const int r = row0 + g + 8 * (e & 1), col = (e >> 2) * 16 + ((e >> 1) & 1) * 8 + 2 * t4;
+                    return *reinterpret_cast<float2*>(total + r * TOTAL_STRIDE + col);
+                };
 #pragma unroll
-                for (int nt = 0; nt < 8; nt++)
+                for (int e0 = 0; e0 < 32; e0 += TOTAL_BATCH) {
+                    float2 before[TOTAL_BATCH];
 #pragma unroll
-                    for (int h = 0; h < 2; h++)
+                    for (int e = 0; e < TOTAL_BATCH; e++)
+                        before[e] = split == split0 ? make_float2(0.f, 0.f) : at(e0 + e);
 #pragma unroll
-                        for (int half = 0; half < 2; half++) {
-                            const int r = row0 + g + 8 * half, col = nt * 16 + h * 8 + 2 * t4;
-                            float2& t = *reinterpret_cast<float2*>(total + r * TOTAL_STRIDE + col);
-                            const float2 before = split == split0 ? make_float2(0.f, 0.f) : t;
-                            t = make_float2(before.x + acc[0][nt][h][2 * half], before.y + acc[0][nt][h][2 * half + 1]);
-                        }
+                    for (int e = 0; e < TOTAL_BATCH; e++) {
+                        const float* a = acc[0][(e0 + e) >> 2][((e0 + e) >> 1) & 1] + 2 * ((e0 + e) & 1);
+                        at(e0 + e) = make_float2(before[e].x + a[0], before[e].y + a[1]);
+                    }
+                }
             } else if (my_rows > 0) {
                 store_partials(acc, part + ((size_t)split * rows + m0 + row0) * n, n, my_rows, jt0);
             }
