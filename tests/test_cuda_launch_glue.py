@@ -197,6 +197,24 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
             assert (block, shared) == (mma.warps * 32, 0), name
 
 
+def test_moe_down_svh_off_four_byte_alignment_keeps_the_split_down(launches, monkeypatch):
+    """moe_down_ws reads svh two fp16 at a time: a down svh that starts 2 bytes off a 4-byte boundary (a view into a
+    larger tensor) keeps the plan on moe_down_mma, whose reads need no alignment."""
+    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
+    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+    g = torch.Generator().manual_seed(5)
+    experts = random_experts(4, 256, 384, K=4, codebook="mcg", generator=g)
+    assert moe_plan(experts, 70, 2, block_m=128).mma.ws_down
+    w = experts.down[2]
+    odd = torch.cat([torch.zeros(1).half(), w.svh])[1:]
+    assert odd.data_ptr() % 4 == 2
+    down = list(experts.down)
+    down[2] = type(w)(w.trellis, w.suh, odd, w.codebook, w.bias, w.name)
+    shifted = type(experts)(experts.gate, experts.up, down, "silu")
+    mma = moe_plan(shifted, 70, 2, block_m=128).mma
+    assert mma.ws and not mma.ws_down and mma.down_kernel[1] == "moe_down_mma"
+
+
 @pytest.mark.parametrize("env", [dict(STAGES="2"), dict(STAGES="11"), dict(STAGES="six"), dict(STAGE_KT="6"),
                                  dict(STAGE_KT="8", STAGES="6"), dict(STAGES="7", GATE_UP="1")])
 def test_moe_ring_settings_outside_their_range_are_refused(launches, monkeypatch, env):

@@ -184,6 +184,12 @@ def uses_ws(block_m: int, device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) == (9, 0))
 
 
+def down_svh_in_pairs(experts) -> bool:
+    """Whether every down svh starts 4-byte aligned: moe_down_ws reads it two fp16 at a time (else the plan keeps
+    moe_down_mma)."""
+    return all(w.svh.data_ptr() % 4 == 0 for w in experts.down)
+
+
 def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (), direct: bool = False,
                  after_down: bool = False) -> MoeMmaPlan:
     """moe_mma_layout, with both kernels compiled for the layer's formats; `after_down`: gate/up follows another
@@ -196,7 +202,8 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
         persistent = plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1"
         stage_kt, stages = ws_ring(persistent)
         plan = replace(plan, ws=True, ws_gate_up=persistent,
-                       ws_down=plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0",
+                       ws_down=(plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0"
+                                and down_svh_in_pairs(experts)),
                        ws_stages=stages, ws_stage_ktiles=stage_kt,
                        x_tma=not persistent and os.environ.get("EXL3MOE_MOE_X_TMA", "1") != "0",
                        ws_paired=not persistent and os.environ.get("EXL3MOE_MOE_WS_PAIRED", "1") != "0")

@@ -95,6 +95,7 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
 #endif
 
 #if WS && defined(WS_PRODUCE_DOWN)
+constexpr int DOWN_SVH_AHEAD = 4;   // svh pairs moe_down_ws reads ahead of their use
 // Down of every (route block, 128 columns) item of a single-split plan, persistent: block i takes items i, i + grid,
 // ... (item = route block x H / 128 + column block); producers decode on into the next item while the consumers
 // finish one from their accumulators (hadamard_rows), y[slot] = Hn(sum) * svh + bias, fp32: the bytes of
@@ -143,26 +144,34 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
                 // The next item's rows land while this one's finish runs (its first chunk's buffer is free after run).
                 int next_expert, next_start, next_nrows;
                 const int next = stage_next(item + gridDim.x, next_expert, next_start, next_nrows);
-                hadamard_rows(acc);
                 const unsigned short* svh = reinterpret_cast<const unsigned short*>(svh_addr[index]);
                 const float* down_bias = bias != nullptr ? bias + (size_t)expert * hidden : nullptr;
+                // svh pair p (columns c0 + 8 p, + 1) read DOWN_SVH_AHEAD pairs before its use, the first ones before
+                // the Hadamard: a read between the stores of y waits on its own otherwise.
+                u32 pair[16];
+                auto read_pair = [&](int p) { pair[p] = __ldg(reinterpret_cast<const u32*>(svh + c0 + 8 * p)); };
 #pragma unroll
-                for (int half = 0; half < 2; half++) {
-                    const int r = row0 + 8 * half;
-                    if (r >= nrows) continue;
-                    float* dst = y + (size_t)sorted_slots[start + r] * hidden;
+                for (int p = 0; p < DOWN_SVH_AHEAD; p++) read_pair(p);
+                hadamard_rows(acc);
+                float* dst[2];
 #pragma unroll
-                    for (int nt = 0; nt < 8; nt++)
+                for (int half = 0; half < 2; half++)
+                    dst[half] = row0 + 8 * half < nrows ? y + (size_t)sorted_slots[start + row0 + 8 * half] * hidden
+                                                        : nullptr;
 #pragma unroll
-                        for (int h = 0; h < 2; h++) {
-                            const int c = c0 + nt * 16 + h * 8;
-                            float o[2];
+                for (int p = 0; p < 16; p++) {
+                    if (p + DOWN_SVH_AHEAD < 16) read_pair(p + DOWN_SVH_AHEAD);
+                    const int nt = p >> 1, h = p & 1, c = c0 + 8 * p;
 #pragma unroll
-                            for (int j = 0; j < 2; j++)
-                                o[j] = acc[0][nt][h][2 * half + j] * INV_SQRT_128 * half_to_float(svh[c + j]) +
-                                       bias_at(down_bias, c + j);
-                            *reinterpret_cast<float2*>(dst + c) = make_float2(o[0], o[1]);
-                        }
+                    for (int half = 0; half < 2; half++) {
+                        if (dst[half] == nullptr) continue;
+                        float o[2];
+#pragma unroll
+                        for (int j = 0; j < 2; j++)
+                            o[j] = acc[0][nt][h][2 * half + j] * INV_SQRT_128 *
+                                   half_to_float((unsigned short)(pair[p] >> (16 * j))) + bias_at(down_bias, c + j);
+                        *reinterpret_cast<float2*>(dst[half] + c) = make_float2(o[0], o[1]);
+                    }
                 }
                 item = next;
                 expert = next_expert;
