@@ -32,6 +32,24 @@ __device__ __forceinline__ void init(unsigned long long* bar, unsigned count) {
 
 """
 
+
+
+def probe_finish(regs: int) -> str:
+    """A probe kernel's end: drain the wgmma groups, sum the `regs` accumulators (fenced, so ptxas keeps every
+    wgmma), store the sum and each warpgroup's cycles since `start`."""
+    return f"""    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < {regs}; i++) {{
+        asm volatile("" : "+f"(acc[i])::"memory");
+        sum += acc[i];
+    }}
+    const long long end = clock64();
+    sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
+    if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + threadIdx.x / 128] = end - start;
+"""
+
+
 SOURCE = BARRIER_HELPERS + f"""
 extern "C" __global__ void __launch_bounds__(768) wgmma_rate(unsigned long long* cycles, float* sink, int iters,
                                                            int mode, int groups) {{
@@ -89,17 +107,7 @@ extern "C" __global__ void __launch_bounds__(768) wgmma_rate(unsigned long long*
             wait_parity(bar, it & 1);
         }}
     }}
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < {REGS}; i++) {{
-        asm volatile("" : "+f"(acc[i])::"memory");
-        sum += acc[i];
-    }}
-    const long long end = clock64();
-    sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
-    if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + threadIdx.x / 128] = end - start;
-    if (threadIdx.x == 0) arrive(smem(&sleep));
+{probe_finish(REGS)}    if (threadIdx.x == 0) arrive(smem(&sleep));
 }}
 """
 

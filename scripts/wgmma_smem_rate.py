@@ -10,7 +10,7 @@ import sys
 import torch
 
 from exl3moe.kernels import nvrtc
-from wgmma_rate import BARRIER_HELPERS
+from wgmma_rate import BARRIER_HELPERS, probe_finish
 
 ITERS = 512
 
@@ -76,17 +76,7 @@ extern "C" __global__ void __launch_bounds__({threads}) wgmma_smem_rate(unsigned
         asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");
         if (it > 0 && threadIdx.x % 32 == 0) arrive(smem(empty + (it - 1) % 3));
     }}
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < {regs}; i++) {{
-        asm volatile("" : "+f"(acc[i])::"memory");
-        sum += acc[i];
-    }}
-    const long long end = clock64();
-    sink[blockIdx.x * blockDim.x + threadIdx.x] = sum;
-    if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 2 + threadIdx.x / 128] = end - start;
-}}
+{probe_finish(regs)}}}
 """
 
 
