@@ -52,7 +52,7 @@ def launches(monkeypatch):
 
 
 def check(recorded):
-    for (file, name, _), grid, block, args, _ in recorded:
+    for (file, name, *_), grid, block, args, _ in recorded:
         kinds, expected = [kind(a) for a in args], signature(file, name)
         if expected[-1:] == ["map?"]:
             expected = expected[:-1] + kinds[-1:] if kinds[-1:] == ["map"] else expected[:-1]
@@ -253,8 +253,9 @@ def test_linear_launches_match_the_kernel_signatures(launches):
     decode_dense(w, torch.empty(256, 384).half())
     dense_epilogue(torch.empty(300, 384), w, torch.empty(300, 384).half())
     check(launches)
-    assert [func[1] for func, *_ in launches] == ["trellis_mma", "rotate_input", "trellis_mma", "trellis_dense",
-                                                  "dense_epilogue"]
+    assert [func[1] for func, *_ in launches] == ["trellis_mma", "rotate_input", "trellis_mma", "reduce_splits",
+                                                  "trellis_dense", "dense_epilogue"]
+    assert launches[3][1:3] == ((384 // 128, -(-20 // 8), 1), 128), "reduce_splits: every (128 columns, 8 rows)"
     assert launches[-2][1] == (384 // 16 // 4, -(-256 // 16 // DENSE_KTILES), 1), "every (n16 tile, k range)"
     assert launches[-1][1] == (300, 1, 1), "one warp per (row, 128 columns)"
 
@@ -292,14 +293,16 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
     monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
         launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="": (
-        file, name, dict(defines).get("X_TMA", 0)))
+        file, name, dict(defines).get("X_TMA", 0), dict(defines).get("DEFER_REDUCE", 0)))
     w = random_weight(4096, 14336 // 8, 4, "mcg")  # 14 column blocks: 9 split groups fit in one wave
     tiles = tm.MmaTiles(8, 32)
     x = torch.randn(100, 4096).half()
     tm._launch_ws(x, w, torch.empty(8, 100, 1792), torch.zeros(64, dtype=torch.int32), torch.empty(100, 1792).half(),
                   tiles)
     check(launches)
-    (func, grid, block, args, early), = launches
+    (func, grid, block, args, early), reduce = launches
+    assert func[3] == 1 and reduce[0][1] == "reduce_splits" and reduce[1:3] == ((1792 // 128, -(-100 // 8), 1), 128)
+    assert shared_bytes.pop() == 0, "blocks of split groups leave the reduction to reduce_splits"
     ring = 3 * 16384 + 1024 + 65536 + 48 + 128 * 136 * 4   # stages of 4 k-tiles, x chunks, barriers, running sum
     if x_tma == "1":
         assert func[2] == 1 and args[-1] == ("map", x.data_ptr(), 100, 4096, 4096)
@@ -440,3 +443,22 @@ def test_packed_plans_of_many_slots_or_formats_pre_rotate(monkeypatch, block_m, 
     if env is not None:
         monkeypatch.setenv("EXL3MOE_MOE_PRE_ROTATE_PACKED", env)
     assert moe_mma.pre_rotates(block_m, slots, direct, formats) == expected
+
+
+@pytest.mark.parametrize("env", [None, "0", "1"])
+def test_few_column_groups_leave_their_split_reduction_to_reduce_splits(monkeypatch, env):
+    """trellis_ws blocks of split groups hand their reduction to reduce_splits; trellis_mma does from 2 m16 tiles where
+    its column groups would occupy under half the SMs, never in a cluster; the variables force it off / on."""
+    from exl3moe.kernels import trellis_mma as tm
+
+    for name in ("EXL3MOE_WS_SPLIT_REDUCE", "EXL3MOE_MMA_SPLIT_REDUCE"):
+        if env is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, env)
+    assert not tm.ws_defers_reduce(True), "whole-split blocks keep their sum in shared memory"
+    assert tm.ws_defers_reduce(False) == (env != "0")
+    planned = {(2, 0, 32): True, (8, 0, 65): True, (2, 0, 66): False, (1, 0, 11): False, (4, 6, 11): False}
+    for (mt, cluster, groups), expected in planned.items():
+        wanted = {None: expected, "0": False, "1": not cluster}[env]
+        assert tm.mma_defers_reduce(mt, cluster, groups, 132) == wanted, (mt, cluster, groups)

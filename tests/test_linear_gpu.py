@@ -104,7 +104,8 @@ def test_cuda_dense_decode_is_bit_exact(K, codebook):
                                            (4096, 1408, "99", torch.float16), (2048, 768, "99", torch.float32),
                                            (2048, 768, "5", torch.bfloat16), (4096, 14336, "", torch.float16),
                                            (14336, 4096, "", torch.bfloat16)])
-def test_warp_specialized_kernel_gives_trellis_mma_bytes(k, n, spb, dtype, monkeypatch):
+@pytest.mark.parametrize("split_reduce", ["0", "1"])
+def test_warp_specialized_kernel_gives_trellis_mma_bytes(k, n, spb, dtype, split_reduce, monkeypatch):
     from exl3moe.kernels.trellis_mma import uses_ws
 
     assert uses_ws(128, k, n, torch.device("cuda")), "the H200 runs 128 rows of every weight on trellis_ws"
@@ -114,6 +115,7 @@ def test_warp_specialized_kernel_gives_trellis_mma_bytes(k, n, spb, dtype, monke
     expected = {rows: linear(x[:rows], w, out_dtype=dtype) for rows in (20, 40, 65, 100, 128)}
     monkeypatch.setenv("EXL3MOE_WS", "1")
     monkeypatch.setenv("EXL3MOE_WS_SPB", spb)
+    monkeypatch.setenv("EXL3MOE_WS_SPLIT_REDUCE", split_reduce)   # partials summed by reduce_splits or in-kernel
     monkeypatch.setenv("EXL3MOE_WS_MIN_ROWS", "17")  # 17..64 rows too, against the 2- and 4-m-tile kernels
     for rows, ref in expected.items():
         y = linear(x[:rows], w, out_dtype=dtype)
@@ -136,6 +138,21 @@ def test_paired_producers_give_trellis_mma_bytes(k, n, K, codebook, tma, monkeyp
         monkeypatch.setenv("EXL3MOE_WS_PAIRED", paired)
         for rows, ref in expected.items():
             assert torch.equal(linear(x[:rows], w).view(torch.int16), ref.view(torch.int16)), (paired, rows)
+
+
+@pytest.mark.parametrize("k,n,K,codebook,dtype", [(14336, 4096, 3, "mul1", torch.float16),
+                                                   (4096, 1408, 4, "mcg", torch.bfloat16),
+                                                   (2048, 768, 6, "3inst", torch.float32)])
+def test_split_reduce_kernel_gives_the_last_arrival_bytes(k, n, K, codebook, dtype, monkeypatch):
+    """trellis_mma's partials summed by reduce_splits give the bytes of each column group's last arrival."""
+    w = make_weight(k, n, K, codebook, seed=17)
+    x = torch.randn(64, k, device="cuda").half()
+    monkeypatch.setenv("EXL3MOE_WS", "0")   # trellis_mma at every row count
+    monkeypatch.setenv("EXL3MOE_MMA_SPLIT_REDUCE", "0")
+    expected = {rows: linear(x[:rows], w, out_dtype=dtype) for rows in (1, 17, 40, 64)}
+    monkeypatch.setenv("EXL3MOE_MMA_SPLIT_REDUCE", "1")
+    for rows, ref in expected.items():
+        assert torch.equal(linear(x[:rows], w, out_dtype=dtype).view(torch.uint8), ref.view(torch.uint8)), rows
 
 
 @pytest.mark.parametrize("k,n,K,codebook,dtype", [

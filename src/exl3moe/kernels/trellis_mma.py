@@ -135,23 +135,37 @@ def launch_bounds(nt: int, fuse_in: bool, prefetch: int, splits: int, groups: in
     return cluster, one_wave_min_blocks(fuse_in, prefetch, groups * splits, nvrtc.sm_count(device))
 
 
+def mma_defers_reduce(mt: int, cluster: int, groups: int, sms: int) -> bool:
+    """Whether a trellis_mma call of mt m16 tiles over `groups` (128-column groups x row blocks) leaves its split
+    reduction to reduce_splits: from 2 m16 tiles where the groups' last arrivals would occupy under half the SMs
+    (measured faster there, slower on one row block of 4096x14336); never where clusters sum the splits.
+    EXL3MOE_MMA_SPLIT_REDUCE=0 / 1 forces it off / on (clusters aside). Both give the same bytes."""
+    env = os.environ.get("EXL3MOE_MMA_SPLIT_REDUCE")
+    return not cluster and env != "0" and (env == "1" or (mt >= 2 and 2 * groups < sms))
+
+
 def call_kernel(w, mt: int, fuse_in: bool, prefetch: int, tiles: MmaTiles, device: torch.device,
                 nt: int | None = None, row_blocks: int = 1) -> tuple:
-    """(CUfunction, nt) that a trellis_mma call of this variant launches, with its launch bounds (one row block)."""
+    """(CUfunction, nt, defer) that a trellis_mma call of this variant launches, with its launch bounds (one row
+    block); defer: reduce_splits sums its partials."""
     nt = nt or tiles_per_warp(mt)
     groups = w.trellis.shape[1] // (WARPS * nt)
     bounds = launch_bounds(nt, fuse_in, prefetch, tiles.splits, groups, device) if row_blocks == 1 else (0, 0)
-    return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds)
+    defer = mma_defers_reduce(mt, bounds[0], w.trellis.shape[1] // 8 * row_blocks, nvrtc.sm_count(device))
+    if defer:
+        reduce_kernel(device)
+    return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds, defer) + (defer,)
 
 
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
-               nt: int | None = None, cluster: int = 0, min_blocks: int = 0):
+               nt: int | None = None, cluster: int = 0, min_blocks: int = 0, defer_reduce: bool = False):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
     nt = nt or tiles_per_warp(mt)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
                ("WARPS", WARPS), ("FUSE_IN", int(fuse_in)), ("PAIR_SCALAR", pair_scalar(mt)))
     defines += (("CLUSTER_SPLITS", cluster),) if cluster else ()
     defines += (("MIN_BLOCKS", min_blocks),) if min_blocks else ()
+    defines += (("DEFER_REDUCE", 1),) if defer_reduce else ()
     func = nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0)
     if cluster > PORTABLE_CLUSTER:
         nvrtc.allow_non_portable_clusters(func)
@@ -183,10 +197,13 @@ def dense_epilogue(y: torch.Tensor, w, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# rotate_input's and reduce_splits' module needs some trellis defines; these are arbitrary.
+ROTATE_DEFINES = (("K2", 8), ("CB", 1), ("MT", 1), ("NT", 2), ("PF", PREFETCH), ("WARPS", WARPS), ("FUSE_IN", 1))
+
+
 def rotate_kernel(device: torch.device):
-    """rotate_input's CUfunction (its module needs some trellis defines; these are arbitrary)."""
-    defines = (("K2", 8), ("CB", 1), ("MT", 1), ("NT", 2), ("PF", PREFETCH), ("WARPS", WARPS), ("FUSE_IN", 1))
-    return nvrtc.kernel("trellis_mma.cu", "rotate_input", defines, device.index or 0)
+    """rotate_input's CUfunction."""
+    return nvrtc.kernel("trellis_mma.cu", "rotate_input", ROTATE_DEFINES, device.index or 0)
 
 
 def rotate_input(x: torch.Tensor, suh: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
@@ -264,12 +281,29 @@ def ws_shared_bytes(x_tma: bool, paired: bool) -> int:
             + (2 * 8 if x_tma else 0))
 
 
-def ws_kernel(K: float, codebook: str, device: torch.device, x_tma: bool = False, paired: bool = False):
+def ws_kernel(K: float, codebook: str, device: torch.device, x_tma: bool = False, paired: bool = False,
+              defer_reduce: bool = False):
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("PF", PREFETCH),
                ("STAGES", WS_PAIRED_STAGES if paired else WS_STAGES), ("STAGE_KT", WS_STAGE_KTILES),
                ("PAIR_SCALAR", WS_PAIR_SCALAR)) + ((("X_TMA", 1),) if x_tma else ())
     defines += (("WS_PRODUCERS", 12),) if paired else ()
+    defines += (("DEFER_REDUCE", 1),) if defer_reduce else ()
     return nvrtc.kernel("trellis_ws.cu", "trellis_ws", defines, device.index or 0, arch_suffix="a")
+
+
+SPLIT_REDUCE_ROWS = 8   # rows per reduce_splits block
+
+
+def reduce_kernel(device: torch.device):
+    """reduce_splits' CUfunction (in rotate_input's module)."""
+    return nvrtc.kernel("trellis_mma.cu", "reduce_splits", ROTATE_DEFINES, device.index or 0)
+
+
+def ws_defers_reduce(whole: bool) -> bool:
+    """Whether trellis_ws blocks that do not run every split leave the reduction to reduce_splits (many blocks,
+    measured faster on every such shape) instead of each column group's last arrival (one block per 128 columns);
+    EXL3MOE_WS_SPLIT_REDUCE=0 keeps the last arrival. Both give the same bytes."""
+    return not whole and os.environ.get("EXL3MOE_WS_SPLIT_REDUCE") != "0"
 
 
 def ws_splits_per_block(splits: int, col_blocks: int, sms: int) -> int:
@@ -288,11 +322,22 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
     grid = (tiles_n // 8, -(-tiles.splits // spb), -(-rows // 128))
     x_tma = ws_x_tma(k, tiles_n * 16, w.K, w.codebook, x)
     paired = ws_paired(k, tiles_n * 16, tiles.splits, nvrtc.sm_count(x.device))
-    nvrtc.launch(ws_kernel(w.K, w.codebook, x.device, x_tma, paired), grid, ws_threads(paired),
+    defer = ws_defers_reduce(spb >= tiles.splits)
+    nvrtc.launch(ws_kernel(w.K, w.codebook, x.device, x_tma, paired, defer), grid, ws_threads(paired),
                  [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
                   tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb,
                   *([nvrtc.x_tensor_map(x, rows, k, x.stride(0))] if x_tma else [])],
                  shared=ws_shared_bytes(x_tma, paired))
+    if defer:
+        reduce_splits(partials, w, out, rows, tiles.splits)
+
+
+def reduce_splits(partials: torch.Tensor, w, out: torch.Tensor, rows: int, splits: int) -> None:
+    """out = Hn(sum of the split partials, in split order) * svh + bias, on blocks of SPLIT_REDUCE_ROWS rows."""
+    n = w.trellis.shape[1] * 16
+    nvrtc.launch(reduce_kernel(out.device), (n // 128, -(-rows // SPLIT_REDUCE_ROWS), 1), 128,
+                 [partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], rows, n, out.stride(0), splits,
+                  SPLIT_REDUCE_ROWS])
 
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
@@ -311,9 +356,11 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     if planned and not fuse_in and uses_ws(rows, k, tiles_n * 16, x.device):
         _launch_ws(x, w, partials, counters, out, tiles)
         return out
-    func, nt = call_kernel(w, mt, fuse_in, prefetch, tiles, x.device, nt, -(-rows // (16 * mt)))
+    func, nt, defer = call_kernel(w, mt, fuse_in, prefetch, tiles, x.device, nt, -(-rows // (16 * mt)))
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,
                                           out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16, tiles_n, k // 16,
                                           tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits])
+    if defer:
+        reduce_splits(partials, w, out, rows, tiles.splits)
     return out

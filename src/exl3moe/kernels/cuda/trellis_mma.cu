@@ -11,6 +11,9 @@ using T = Trellis<K2, CB>;
 #ifndef MIN_BLOCKS
 #define MIN_BLOCKS 0   // blocks per SM that ptxas must fit the registers for
 #endif
+#ifndef DEFER_REDUCE
+#define DEFER_REDUCE 0   // 1: blocks only store their partials (reduce_splits sums them)
+#endif
 #ifndef CLUSTER_SPLITS
 #define CLUSTER_SPLITS 0   // > 0: the splits of a 128-column group, one cluster (2..16 blocks)
 #endif
@@ -51,6 +54,22 @@ rotate_input(const unsigned short* __restrict__ x, int x_bf16, const unsigned sh
     hadamard128_warp(v, lane);
 #pragma unroll
     for (int j = 0; j < 4; j++) xh[(size_t)blockIdx.y * k + c + j] = float_to_half(v[j] * INV_SQRT_128);
+}
+
+// The output of one 128-column group (blockIdx.x), rows [m0, m0 + rows_per_block) with m0 = blockIdx.y *
+// rows_per_block, from the split partials in split order: the bytes of a last arrival's reduce_group, spread over
+// many blocks (for kernels that leave the reduction to it).
+extern "C" __global__ void __launch_bounds__(128)
+reduce_splits(const float* __restrict__ part, const unsigned short* __restrict__ svh,
+              const unsigned short* __restrict__ bias, void* __restrict__ out, int out_dtype, int rows, int n,
+              int stride_out, int splits, int rows_per_block) {
+    const int m0 = blockIdx.y * rows_per_block, group_col = blockIdx.x * 128;
+    if (threadIdx.x < 32) {   // the epilogue's vectors, asked of L2 while the first splits load
+        prefetch_l2(svh + group_col, 256, threadIdx.x);
+        prefetch_l2(bias != nullptr ? bias + group_col : nullptr, 256, threadIdx.x);
+    }
+    reduce_group<1, 4, true>(part, svh, bias, out, out_dtype, rows, n, m0, min(rows_per_block, rows - m0), group_col,
+                             stride_out, splits, 4);
 }
 
 extern "C" __global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS) MMA_CLUSTER
@@ -148,6 +167,7 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
 #else
     store_partials(acc, part + ((size_t)split * rows + m0) * n, n, block_rows, jt0);
     TRACE_MARK(2);
+    if (DEFER_REDUCE) return;
 
     // The last block of this (row block, 128 columns) to finish reduces the splits and writes the output.
     if (!last_arrival(counters + blockIdx.z * (n / 128) + group_col / 128, splits * (128 / BLOCK_COLS))) {

@@ -5,6 +5,9 @@
 
 constexpr int TOTAL_STRIDE = 136;                     // row stride of the running sum: conflict-free float2 access
 constexpr int TOTAL_FLOATS = WS_ROWS * TOTAL_STRIDE;   // a block running every split: the running fp32 sum
+#ifndef DEFER_REDUCE
+#define DEFER_REDUCE 0   // 1: blocks that do not run every split only store their partials (reduce_splits sums them)
+#endif
 #ifndef TOTAL_BATCH
 #define TOTAL_BATCH 4   // running-sum elements a consumer thread reads before it writes them back
 #endif
@@ -81,7 +84,7 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
         ws_trace_print();
         return;
     }
-    if (!last_arrival(counters + blockIdx.z * (n / 128) + blockIdx.x, gridDim.y)) return;
+    if (DEFER_REDUCE || !last_arrival(counters + blockIdx.z * (n / 128) + blockIdx.x, gridDim.y)) return;
     reduce_group<R, 4>(part, svh, bias, out, out_dtype, rows, n, m0, block_rows, blockIdx.x * 128, stride_out, splits,
                     WARPS_ALL);
 }
