@@ -456,8 +456,8 @@ def test_few_column_groups_leave_their_split_reduction_to_reduce_splits(monkeypa
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, env)
-    assert not tm.ws_defers_reduce(True), "whole-split blocks keep their sum in shared memory"
-    assert tm.ws_defers_reduce(False) == (env != "0")
+    assert not tm.ws_defers_reduce(8, 14336, 132), "whole-split blocks keep their sum in shared memory"
+    assert tm.ws_defers_reduce(8, 1792, 132) == (env != "0")   # 14 column blocks: split groups
     planned = {(2, 0, 32): True, (8, 0, 65): True, (2, 0, 66): False, (1, 0, 11): False, (4, 6, 11): False}
     for (mt, cluster, groups), expected in planned.items():
         wanted = {None: expected, "0": False, "1": not cluster}[env]

@@ -271,8 +271,7 @@ def ws_paired(k: int, n: int, splits: int, sms: int) -> bool:
     SMALL_WEIGHT entries or more whose blocks each run every split (measured faster there, slower on the other
     shapes); EXL3MOE_WS_PAIRED=0 / 1 forces it either way."""
     env = os.environ.get("EXL3MOE_WS_PAIRED")
-    whole = ws_splits_per_block(splits, n // 128, sms) >= splits
-    return env != "0" and (env == "1" or (k * n >= SMALL_WEIGHT and whole))
+    return env != "0" and (env == "1" or (k * n >= SMALL_WEIGHT and ws_whole(splits, n, sms)))
 
 
 def ws_shared_bytes(x_tma: bool, paired: bool) -> int:
@@ -299,11 +298,11 @@ def reduce_kernel(device: torch.device):
     return nvrtc.kernel("trellis_mma.cu", "reduce_splits", ROTATE_DEFINES, device.index or 0)
 
 
-def ws_defers_reduce(whole: bool) -> bool:
+def ws_defers_reduce(splits: int, n: int, sms: int) -> bool:
     """Whether trellis_ws blocks that do not run every split leave the reduction to reduce_splits (many blocks,
     measured faster on every such shape) instead of each column group's last arrival (one block per 128 columns);
     EXL3MOE_WS_SPLIT_REDUCE=0 keeps the last arrival. Both give the same bytes."""
-    return not whole and os.environ.get("EXL3MOE_WS_SPLIT_REDUCE") != "0"
+    return not ws_whole(splits, n, sms) and os.environ.get("EXL3MOE_WS_SPLIT_REDUCE") != "0"
 
 
 def ws_splits_per_block(splits: int, col_blocks: int, sms: int) -> int:
@@ -315,6 +314,11 @@ def ws_splits_per_block(splits: int, col_blocks: int, sms: int) -> int:
     return -(-splits // groups)
 
 
+def ws_whole(splits: int, n: int, sms: int) -> bool:
+    """Whether each trellis_ws block of an n-column weight runs every split (and keeps their sum itself)."""
+    return ws_splits_per_block(splits, n // 128, sms) >= splits
+
+
 def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
     rows, k = x.shape
     tiles_n = w.trellis.shape[1]
@@ -322,7 +326,7 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
     grid = (tiles_n // 8, -(-tiles.splits // spb), -(-rows // 128))
     x_tma = ws_x_tma(k, tiles_n * 16, w.K, w.codebook, x)
     paired = ws_paired(k, tiles_n * 16, tiles.splits, nvrtc.sm_count(x.device))
-    defer = ws_defers_reduce(spb >= tiles.splits)
+    defer = ws_defers_reduce(tiles.splits, tiles_n * 16, nvrtc.sm_count(x.device))
     nvrtc.launch(ws_kernel(w.K, w.codebook, x.device, x_tma, paired, defer), grid, ws_threads(paired),
                  [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
                   tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb,

@@ -15,8 +15,7 @@ from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
 from ..kernels.trellis_mma import (call_kernel, counter_count, decode_dense, dense_epilogue, dense_kernel,
                                    fuses_rotation, plan_mma, prefetch_for, reduce_kernel, rotate_input, rotate_kernel,
-                                   trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel, ws_paired,
-                                   ws_splits_per_block, ws_x_tma)
+                                   trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel, ws_paired, ws_x_tma)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -128,7 +127,7 @@ class LinearPlan:
                 call_kernel(w, mt, fuse_in, prefetch, self.mma, w.device)
             if any(uses_ws(rows, k, n, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
                 sms = nvrtc.sm_count(w.device)
-                defer = ws_defers_reduce(ws_splits_per_block(self.mma.splits, n // 128, sms) >= self.mma.splits)
+                defer = ws_defers_reduce(self.mma.splits, n, sms)
                 ws_kernel(w.K, w.codebook, w.device, ws_x_tma(k, n, w.K, w.codebook),
                           ws_paired(k, n, self.mma.splits, sms), defer)
                 if defer:
