@@ -1,6 +1,7 @@
 """The host side of the CUDA C++ kernels without a GPU: every launch passes as many arguments, of the kinds
 (pointer, int, float), as its kernel's signature in kernels/cuda/*.cu declares, with grids that cover the plan."""
 
+import os
 import re
 
 import pytest
@@ -313,6 +314,45 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
     assert func[1] == "trellis_ws" and block == 768 and args[-1] == expected_spb
     assert not early, "the linear has no programmatic dependent launch"
     assert grid == (1792 // 128, -(-8 // expected_spb), 1), "every (128 columns, split group, 128 rows)"
+
+
+@pytest.mark.parametrize("env,expected", [(None, True), ("0", False)])
+def test_warp_specialized_linear_launches_early_after_its_rotation(launches, monkeypatch, env, expected):
+    """trellis_ws right after rotate_input is its programmatic dependent (EXL3MOE_LINEAR_EARLY=0: not), and only
+    there: a call handed a rotated x by anyone else launches after the stream's last kernel."""
+    from exl3moe.kernels import trellis_mma as tm
+
+    if env:
+        monkeypatch.setenv("EXL3MOE_LINEAR_EARLY", env)
+    assert tm.ws_launches_early(torch.device("cuda")) == expected
+    assert not tm.ws_launches_early(torch.device("cpu"))
+    monkeypatch.setattr(tm, "ws_launches_early", lambda device: os.environ.get("EXL3MOE_LINEAR_EARLY") != "0")
+    w = random_weight(4096, 1792, 4, "mcg")
+    tiles = tm.plan_mma(4096, 1792)
+    x = torch.randn(100, 4096).half()
+    for after_rotate in (True, False):
+        tm._launch_ws(x, w, torch.empty(tiles.splits, 100, 1792), torch.zeros(64, dtype=torch.int32),
+                      torch.empty(100, 1792).half(), tiles, after_rotate)
+    check(launches)
+    ws = [early for (_, name, *_), _, _, _, early in launches if name == "trellis_ws"]
+    assert ws == [expected, False]
+    assert not any(early for (_, name, *_), _, _, _, early in launches if name != "trellis_ws")
+
+
+def test_linear_call_tells_trellis_mma_whether_it_rotated_x(launches, monkeypatch):
+    """LinearPlan.run passes after_rotate=True exactly when it launched rotate_input just before."""
+    from exl3moe.ops import linear as linear_ops
+
+    seen = []
+    monkeypatch.setattr(linear_ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(linear_ops, "rotate_input", lambda x, suh, xh: xh)
+    monkeypatch.setattr(linear_ops, "trellis_mma", lambda *a, after_rotate=False, **kw: seen.append(after_rotate))
+    w = random_weight(2048, 768, 4, "mcg")
+    plan = linear_ops.LinearPlan(w, 128)
+    runner = plan.bind(plan.allocate())
+    for rows in (1, 64):
+        runner.run(torch.randn(rows, 2048).half(), torch.empty(rows, 768).half())
+    assert seen == [not linear_ops.fuses_rotation(r, 2048, 768) for r in (1, 64)] == [False, True]
 
 
 @pytest.mark.parametrize("env", [None, "1"])

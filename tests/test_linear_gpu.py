@@ -140,6 +140,26 @@ def test_paired_producers_give_trellis_mma_bytes(k, n, K, codebook, tma, monkeyp
             assert torch.equal(linear(x[:rows], w).view(torch.int16), ref.view(torch.int16)), (paired, rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("paired", ["0", "1"])
+def test_whole_split_blocks_give_trellis_mma_bytes(dtype, paired, monkeypatch):
+    """trellis_ws blocks that run every split (their running sum in shared memory) give trellis_mma's bytes, with a
+    bias, in every output dtype, into an output aligned and one element off."""
+    w = make_weight(2048, 768, 3, "mcg", seed=23)
+    x = torch.randn(128, 2048, device="cuda").half()
+    monkeypatch.setenv("EXL3MOE_WS", "0")
+    expected = {rows: linear(x[:rows], w, out_dtype=dtype) for rows in (17, 64, 100, 128)}
+    monkeypatch.setenv("EXL3MOE_WS", "1")
+    monkeypatch.setenv("EXL3MOE_WS_SPB", "99")
+    monkeypatch.setenv("EXL3MOE_WS_PAIRED", paired)
+    monkeypatch.setenv("EXL3MOE_WS_MIN_ROWS", "17")
+    for rows, ref in expected.items():
+        for offset in (0, 1):
+            out = torch.full((rows * 768 + offset,), float("nan"), device="cuda", dtype=dtype)[offset:].view(rows, 768)
+            linear(x[:rows], w, out=out)
+            assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), (rows, offset)
+
+
 @pytest.mark.parametrize("k,n,K,codebook,dtype", [(14336, 4096, 3, "mul1", torch.float16),
                                                    (4096, 1408, 4, "mcg", torch.bfloat16),
                                                    (2048, 768, 6, "3inst", torch.float32)])

@@ -319,7 +319,14 @@ def ws_whole(splits: int, n: int, sms: int) -> bool:
     return ws_splits_per_block(splits, n // 128, sms) >= splits
 
 
-def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
+def ws_launches_early(device: torch.device) -> bool:
+    """trellis_ws right after rotate_input launches as its programmatic dependent (sm_90): its producers decode
+    while rotate_input runs, and its consumers wait for it (griddepcontrol.wait) before they read x.
+    EXL3MOE_LINEAR_EARLY=0 launches it after rotate_input is done."""
+    return device.type == "cuda" and os.environ.get("EXL3MOE_LINEAR_EARLY", "1") != "0"
+
+
+def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles, after_rotate: bool = False) -> None:
     rows, k = x.shape
     tiles_n = w.trellis.shape[1]
     spb = ws_splits_per_block(tiles.splits, tiles_n // 8, nvrtc.sm_count(x.device))
@@ -331,7 +338,7 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles) -> None:
                  [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
                   tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb,
                   *([nvrtc.x_tensor_map(x, rows, k, x.stride(0))] if x_tma else [])],
-                 shared=ws_shared_bytes(x_tma, paired))
+                 shared=ws_shared_bytes(x_tma, paired), early=after_rotate and ws_launches_early(x.device))
     if defer:
         reduce_splits(partials, w, out, rows, tiles.splits)
 
@@ -346,10 +353,11 @@ def reduce_splits(partials: torch.Tensor, w, out: torch.Tensor, rows: int, split
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,
                 tiles: MmaTiles, prefetch: int | None = None, nt: int | None = None,
-                mt: int | None = None) -> torch.Tensor:
+                mt: int | None = None, after_rotate: bool = False) -> torch.Tensor:
     """out [rows, n] = Hn(x_rot @ W_inner) * svh + bias, x_rot = Hn(x * suh) rotated here when
     fuses_rotation(rows, k, n), else x is the rotated fp16 input; partials [splits, rows, n] fp32 scratch.
-    prefetch, nt and mt override the planned variant (for probes)."""
+    prefetch, nt and mt override the planned variant (for probes); after_rotate: the stream's last kernel is the
+    rotate_input that wrote x."""
     rows, k = x.shape
     tiles_n = w.trellis.shape[1]
     planned_mt, fuse_in = variant_for(rows, k, tiles_n * 16)
@@ -358,7 +366,7 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     planned = mt == planned_mt and prefetch in (None, planned_pf) and nt is None
     prefetch = prefetch or planned_pf
     if planned and not fuse_in and uses_ws(rows, k, tiles_n * 16, x.device):
-        _launch_ws(x, w, partials, counters, out, tiles)
+        _launch_ws(x, w, partials, counters, out, tiles, after_rotate)
         return out
     func, nt, defer = call_kernel(w, mt, fuse_in, prefetch, tiles, x.device, nt, -(-rows // (16 * mt)))
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))

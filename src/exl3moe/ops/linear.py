@@ -206,9 +206,10 @@ class LinearRunner:
         mma = self.plan.mma
         if rows <= MAX_FUSED_ROWS and mma is not None:
             partials = self._partials[:mma.splits * rows * n].view(mma.splits, rows, n)
-            if not fuses_rotation(rows, k, n):
+            rotated = not fuses_rotation(rows, k, n)
+            if rotated:
                 x2 = rotate_input(x2, w.suh, xh)
-            trellis_mma(x2, w, partials, self._counters, out2, mma)
+            trellis_mma(x2, w, partials, self._counters, out2, mma, after_rotate=rotated)
             return out
         if rows > MAX_FUSED_ROWS and mma is not None:
             return self._dense_cuda(x2, xh, out2, out)

@@ -43,6 +43,9 @@ __device__ __forceinline__ float4 load_cluster(u32 local, int rank) {
 extern "C" __global__ void __launch_bounds__(128)
 rotate_input(const unsigned short* __restrict__ x, int x_bf16, const unsigned short* __restrict__ suh,
              unsigned short* __restrict__ xh, int k, int stride_x) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // a trellis_ws launched early may start
+#endif
     const int lane = threadIdx.x & 31;
     const int chunk = blockIdx.x * 4 + (threadIdx.x >> 5);
     if (chunk * 128 >= k) return;

@@ -40,6 +40,8 @@ trellis_ws(const unsigned short* __restrict__ x, const u32* __restrict__ words, 
         Consumer consumer(X_ROWS(x, 0, stride_x), sh.xs, sh.ring, sh.x_full, m0, block_rows);
         WsAcc acc;
         zero_acc(acc);
+        // A launch early after rotate_input (programmatic) reads x once that grid is done; else a no-op.
+        asm volatile("griddepcontrol.wait;" ::: "memory");
         consumer.stage_first(kt_begin);
         for (int split = split0; split < split1; split++) {
             const int kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, ktiles_total);
