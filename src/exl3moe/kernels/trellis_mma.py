@@ -320,7 +320,7 @@ def ws_whole(splits: int, n: int, sms: int) -> bool:
 
 
 def ws_launches_early(device: torch.device) -> bool:
-    """trellis_ws right after rotate_input launches as its programmatic dependent (sm_90): its producers decode
+    """trellis_ws (sm_90 only) right after rotate_input launches as its programmatic dependent: its producers decode
     while rotate_input runs, and its consumers wait for it (griddepcontrol.wait) before they read x.
     EXL3MOE_LINEAR_EARLY=0 launches it after rotate_input is done."""
     return device.type == "cuda" and os.environ.get("EXL3MOE_LINEAR_EARLY", "1") != "0"
