@@ -328,12 +328,12 @@ def ws_launches_early(device: torch.device) -> bool:
 
 def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles, after_rotate: bool = False) -> None:
     rows, k = x.shape
-    tiles_n = w.trellis.shape[1]
-    spb = ws_splits_per_block(tiles.splits, tiles_n // 8, nvrtc.sm_count(x.device))
+    tiles_n, sms = w.trellis.shape[1], nvrtc.sm_count(x.device)
+    spb = ws_splits_per_block(tiles.splits, tiles_n // 8, sms)
     grid = (tiles_n // 8, -(-tiles.splits // spb), -(-rows // 128))
     x_tma = ws_x_tma(k, tiles_n * 16, w.K, w.codebook, x)
-    paired = ws_paired(k, tiles_n * 16, tiles.splits, nvrtc.sm_count(x.device))
-    defer = ws_defers_reduce(tiles.splits, tiles_n * 16, nvrtc.sm_count(x.device))
+    paired = ws_paired(k, tiles_n * 16, tiles.splits, sms)
+    defer = ws_defers_reduce(tiles.splits, tiles_n * 16, sms)
     nvrtc.launch(ws_kernel(w.K, w.codebook, x.device, x_tma, paired, defer), grid, ws_threads(paired),
                  [x, w.trellis, partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16,
                   tiles_n, k // 16, tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits, spb,
