@@ -32,6 +32,7 @@ def pretend_sm90() -> None:
     nvrtc.allow_non_portable_clusters = lambda func: None
     nvrtc.local_bytes = lambda func: 1   # note both variants of a launch bound that may spill
     trellis_mma.clusters_on = lambda device: True
+    trellis_mma.chain_capable = lambda device: True
     linear_ops.uses_ws = lambda rows, k, n, device: rows >= (32 if k * n < (1 << 24) else 64)
     moe_mma.uses_ws = lambda block_m, device: block_m == 128
     moe_mma.early_launch = lambda device: os.environ.get("EXL3MOE_MOE_EARLY_DOWN", "1") != "0"

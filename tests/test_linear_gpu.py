@@ -160,6 +160,50 @@ def test_whole_split_blocks_give_trellis_mma_bytes(dtype, paired, monkeypatch):
             assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), (rows, offset)
 
 
+@pytest.mark.parametrize("cluster", [None, "0"])
+@pytest.mark.parametrize("rows", [1, 8])
+def test_chained_calls_that_feed_each_other_give_unchained_bytes(rows, cluster, monkeypatch):
+    """Calls launched after the previous kernel (CHAIN: L2 prefetches, then griddepcontrol.wait) where each reads the
+    output the one before it writes, and a layer runs twice on one workspace: the bytes of launches that wait for
+    completion, eagerly and in a captured graph replayed over NaN-filled outputs."""
+    from exl3moe.kernels.trellis_mma import mma_chains, plan_mma
+
+    if cluster:
+        monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", cluster)
+    g = torch.Generator(device="cuda").manual_seed(29)
+    layers = []
+    for k, n, K, codebook in ((2048, 768, 4, "mcg"), (768, 2048, 3, "mul1")):
+        w = make_weight(k, n, K, codebook, seed=k)
+        w = EXL3Weight(w.trellis, w.suh, (w.svh.float() / (1.25 * k**0.5)).half(), codebook, w.bias)   # norm kept
+        tiles = plan_mma(k, n)
+        assert mma_chains(True, n // 128 * tiles.splits, w.trellis.device), (k, n)
+        plan = LinearPlan(w, rows)
+        layers.append(plan.bind(plan.allocate()))
+    x = torch.randn(rows, 2048, device="cuda", generator=g).half()
+    outs = [torch.empty(rows, n, device="cuda").half() for n in (768, 2048, 768, 2048)]
+
+    def run():
+        h = x
+        for i, out in enumerate(outs):
+            h = layers[i % 2].run(h, out)
+
+    monkeypatch.setenv("EXL3MOE_LINEAR_CHAIN", "0")
+    run()
+    expected = [out.clone() for out in outs]
+    monkeypatch.delenv("EXL3MOE_LINEAR_CHAIN")
+    for plan in (layer.plan for layer in layers):
+        LinearPlan(plan.weight, rows)   # compiles the chained variants before the capture
+    run()
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(outs, expected))
+    graph = capture_allocation_free(run, outs[0])
+    for out in outs:
+        out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(outs, expected))
+    assert all(torch.isfinite(a).all() for a in expected)
+
+
 @pytest.mark.parametrize("k,n,K,codebook,dtype", [(14336, 4096, 3, "mul1", torch.float16),
                                                    (4096, 1408, 4, "mcg", torch.bfloat16),
                                                    (2048, 768, 6, "3inst", torch.float32)])

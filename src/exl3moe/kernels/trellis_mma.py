@@ -144,21 +144,40 @@ def mma_defers_reduce(mt: int, cluster: int, groups: int, sms: int) -> bool:
     return not cluster and env != "0" and (env == "1" or (mt >= 2 and 2 * groups < sms))
 
 
+def chain_capable(device: torch.device) -> bool:
+    """Programmatic dependent launches (griddepcontrol) exist from sm_90."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def mma_chains(fuse_in: bool, blocks: int, device: torch.device) -> bool:
+    """Whether a trellis_mma call goes out as a programmatic dependent launch of the stream's previous kernel
+    (CHAIN): its blocks become resident while that kernel finishes, ask L2 for their first trellis words, and wait for
+    it before they read x or touch the workspace. For calls that rotate x themselves on grids of at most one block per
+    SM (larger grids measured no faster, some slower); EXL3MOE_LINEAR_CHAIN=0 / 1 forces it off / on for such calls.
+    Both give the same bytes."""
+    env = os.environ.get("EXL3MOE_LINEAR_CHAIN")
+    if not fuse_in or env == "0" or not chain_capable(device):
+        return False
+    return env == "1" or blocks <= nvrtc.sm_count(device)
+
+
 def call_kernel(w, mt: int, fuse_in: bool, prefetch: int, tiles: MmaTiles, device: torch.device,
                 nt: int | None = None, row_blocks: int = 1) -> tuple:
-    """(CUfunction, nt, defer) that a trellis_mma call of this variant launches, with its launch bounds (one row
-    block); defer: reduce_splits sums its partials."""
+    """(CUfunction, nt, defer, chain) that a trellis_mma call of this variant launches, with its launch bounds (one
+    row block); defer: reduce_splits sums its partials; chain: a launch after the previous kernel (mma_chains)."""
     nt = nt or tiles_per_warp(mt)
     groups = w.trellis.shape[1] // (WARPS * nt)
     bounds = launch_bounds(nt, fuse_in, prefetch, tiles.splits, groups, device) if row_blocks == 1 else (0, 0)
     defer = mma_defers_reduce(mt, bounds[0], w.trellis.shape[1] // 8 * row_blocks, nvrtc.sm_count(device))
+    chain = mma_chains(fuse_in, groups * tiles.splits * row_blocks, device)
     if defer:
         reduce_kernel(device)
-    return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds, defer) + (defer,)
+    return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds, defer, chain) + (defer, chain)
 
 
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
-               nt: int | None = None, cluster: int = 0, min_blocks: int = 0, defer_reduce: bool = False):
+               nt: int | None = None, cluster: int = 0, min_blocks: int = 0, defer_reduce: bool = False,
+               chain: bool = False):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
     nt = nt or tiles_per_warp(mt)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
@@ -166,6 +185,7 @@ def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: 
     defines += (("CLUSTER_SPLITS", cluster),) if cluster else ()
     defines += (("MIN_BLOCKS", min_blocks),) if min_blocks else ()
     defines += (("DEFER_REDUCE", 1),) if defer_reduce else ()
+    defines += (("CHAIN", 1),) if chain else ()
     func = nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0)
     if cluster > PORTABLE_CLUSTER:
         nvrtc.allow_non_portable_clusters(func)
@@ -368,11 +388,12 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     if planned and not fuse_in and uses_ws(rows, k, tiles_n * 16, x.device):
         _launch_ws(x, w, partials, counters, out, tiles, after_rotate)
         return out
-    func, nt, defer = call_kernel(w, mt, fuse_in, prefetch, tiles, x.device, nt, -(-rows // (16 * mt)))
+    func, nt, defer, chain = call_kernel(w, mt, fuse_in, prefetch, tiles, x.device, nt, -(-rows // (16 * mt)))
     grid = (tiles_n // (WARPS * nt), tiles.splits, -(-rows // (16 * mt)))
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,
                                           out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16, tiles_n, k // 16,
-                                          tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits])
+                                          tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits],
+                 early=chain)
     if defer:
         reduce_splits(partials, w, out, rows, tiles.splits)
     return out

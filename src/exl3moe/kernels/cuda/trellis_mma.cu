@@ -17,6 +17,12 @@ using T = Trellis<K2, CB>;
 #ifndef CLUSTER_SPLITS
 #define CLUSTER_SPLITS 0   // > 0: the splits of a 128-column group, one cluster (2..16 blocks)
 #endif
+#ifndef CHAIN
+#define CHAIN 0   // 1: a programmatic dependent launch of the stream's previous kernel (sm_90), waiting for it
+#endif
+#ifndef CHAIN_KT
+#define CHAIN_KT 8   // k-tiles of each warp's trellis words asked of L2 before that wait
+#endif
 #if CLUSTER_SPLITS
 #define MMA_CLUSTER __cluster_dims__(1, CLUSTER_SPLITS, 1)
 #else
@@ -96,6 +102,16 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
         prefetch_l2(svh + group_col, 256, lane);
         prefetch_l2(bias != nullptr ? bias + group_col : nullptr, 256, lane);
     }
+#if CHAIN && __CUDA_ARCH__ >= 900
+    // Before the wait only L2 prefetches (of weights): nothing here reads what the previous kernel may write.
+#pragma unroll
+    for (int kt = kt0; kt < min(kt0 + CHAIN_KT, kt1); kt++)
+        prefetch_l2_lines(words + ((size_t)kt * tiles_n + jt0) * T::WT, NT * T::WT * 4, lane);
+    if (FUSE_IN && warp == 0) prefetch_l2_lines(suh + kt0 * 16, CHUNK * 16 * 2, lane);
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    // The next such launch may start once this grid runs, not before: waiting grids would pile up on the SMs.
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
 
     float acc[MT][NT][2][4];
     zero_acc(acc);
