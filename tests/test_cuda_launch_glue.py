@@ -339,11 +339,11 @@ def test_warp_specialized_linear_launches_early_after_its_rotation(launches, mon
     assert not any(early for (_, name, *_), _, _, _, early in launches if name != "trellis_ws")
 
 
-@pytest.mark.parametrize("env, expected", [(None, [True, False, False]), ("0", [False, False, False]),
-                                          ("1", [True, False, True])])
-def test_small_linear_grids_launch_after_the_previous_kernel(launches, monkeypatch, env, expected):
-    """trellis_mma calls that rotate x themselves on grids of at most one block per SM go out as programmatic
-    dependents of the stream's previous kernel, compiled with CHAIN; calls on a rotated x and larger grids do not
+@pytest.mark.parametrize("env, expected", [(None, [8, None, None, 0]), ("0", [None] * 4), ("1", [8, None, 0, 0])])
+def test_linear_calls_launch_after_the_previous_kernel_where_measured_faster(launches, monkeypatch, env, expected):
+    """trellis_mma calls that rotate x themselves go out as programmatic dependents of the stream's previous kernel,
+    compiled with CHAIN and their L2 prefetch depth: grids of at most one block per SM ask for 8 k-tiles of words,
+    one-wave grids of more than 6 blocks per SM for none, grids in between and calls on a rotated x launch plainly
     (EXL3MOE_LINEAR_CHAIN=0: none; 1: every call that rotates x)."""
     from exl3moe.kernels import trellis_mma as tm
 
@@ -351,21 +351,22 @@ def test_small_linear_grids_launch_after_the_previous_kernel(launches, monkeypat
         monkeypatch.setenv("EXL3MOE_LINEAR_CHAIN", env)
     assert not tm.chain_capable(torch.device("cpu"))
     monkeypatch.setattr(tm, "chain_capable", lambda device: True)
+    monkeypatch.setattr(nvrtc, "sm_count", lambda device: 32)
     compiled = []
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="":
                         compiled.append((name, dict(defines))) or (file, name, prelude))
-    small, large = random_weight(256, 384, 4, "mcg"), random_weight(2048, 2048, 2, "mcg")
-    for w, rows in ((small, 1), (small, 20), (large, 1)):
+    small, mid, large = (random_weight(k, n, 2, "mcg") for k, n in ((256, 384), (1024, 1024), (2048, 2048)))
+    for w, rows in ((small, 1), (small, 20), (mid, 1), (large, 1)):
         tiles = tm.plan_mma(w.in_features, w.out_features)
         x = torch.randn(rows, w.in_features).half()
         tm.trellis_mma(x, w, torch.empty(tiles.splits, rows, w.out_features), torch.zeros(64, dtype=torch.int32),
                        torch.empty(rows, w.out_features).half(), tiles)
     check(launches)
-    mma = [(grid, early) for (_, name, *_), grid, _, _, early in launches if name == "trellis_mma"]
-    assert [early for _, early in mma] == expected
-    assert mma[0][0][0] * mma[0][0][1] <= 132 < mma[2][0][0] * mma[2][0][1]
-    chained = [d.get("CHAIN", 0) == 1 for name, d in compiled if name == "trellis_mma"]
-    assert chained == expected
+    mma = [(grid[0] * grid[1], early) for (_, name, *_), grid, _, _, early in launches if name == "trellis_mma"]
+    assert [early for _, early in mma] == [e is not None for e in expected]
+    assert mma[0][0] <= 32 < mma[2][0] <= 6 * 32 < mma[3][0]
+    chains = [d.get("CHAIN_KT") if d.get("CHAIN") == 1 else None for name, d in compiled if name == "trellis_mma"]
+    assert chains == expected
     assert not any(early for (_, name, *_), *_, early in launches if name != "trellis_mma")
 
 

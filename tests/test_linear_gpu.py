@@ -160,27 +160,28 @@ def test_whole_split_blocks_give_trellis_mma_bytes(dtype, paired, monkeypatch):
             assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8)), (rows, offset)
 
 
-@pytest.mark.parametrize("cluster", [None, "0"])
-@pytest.mark.parametrize("rows", [1, 8])
-def test_chained_calls_that_feed_each_other_give_unchained_bytes(rows, cluster, monkeypatch):
-    """Calls launched after the previous kernel (CHAIN: L2 prefetches, then griddepcontrol.wait) where each reads the
-    output the one before it writes, and a layer runs twice on one workspace: the bytes of launches that wait for
-    completion, eagerly and in a captured graph replayed over NaN-filled outputs."""
-    from exl3moe.kernels.trellis_mma import mma_chains, plan_mma
+@pytest.mark.parametrize("k,n,rows,cluster,depth", [(2048, 768, 1, None, 8), (2048, 768, 8, None, 8),
+                                                     (2048, 768, 1, "0", 8), (2048, 768, 8, "0", 8),
+                                                     (4096, 14336, 1, None, 0), (4096, 14336, 4, None, 0)])
+def test_chained_calls_that_feed_each_other_give_unchained_bytes(k, n, rows, cluster, depth, monkeypatch):
+    """Calls launched after the previous kernel (CHAIN: L2 prefetches of `depth` k-tiles, then griddepcontrol.wait)
+    where each reads the output the one before it writes, and a layer runs twice on one workspace: the bytes of
+    launches that wait for completion, eagerly and in a captured graph replayed over NaN-filled outputs."""
+    from exl3moe.kernels.trellis_mma import mma_chain, plan_mma
 
     if cluster:
         monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", cluster)
     g = torch.Generator(device="cuda").manual_seed(29)
     layers = []
-    for k, n, K, codebook in ((2048, 768, 4, "mcg"), (768, 2048, 3, "mul1")):
-        w = make_weight(k, n, K, codebook, seed=k)
-        w = EXL3Weight(w.trellis, w.suh, (w.svh.float() / (1.25 * k**0.5)).half(), codebook, w.bias)   # norm kept
-        tiles = plan_mma(k, n)
-        assert mma_chains(True, n // 128 * tiles.splits, w.trellis.device), (k, n)
+    for k_in, n_out, K, codebook in ((k, n, 4, "mcg"), (n, k, 3, "mul1")):
+        w = make_weight(k_in, n_out, K, codebook, seed=k_in)
+        w = EXL3Weight(w.trellis, w.suh, (w.svh.float() / (1.25 * k_in**0.5)).half(), codebook, w.bias)   # norm kept
+        tiles = plan_mma(k_in, n_out)
+        assert mma_chain(True, n_out // 128 * tiles.splits, w.trellis.device) == depth, (k_in, n_out)
         plan = LinearPlan(w, rows)
         layers.append(plan.bind(plan.allocate()))
-    x = torch.randn(rows, 2048, device="cuda", generator=g).half()
-    outs = [torch.empty(rows, n, device="cuda").half() for n in (768, 2048, 768, 2048)]
+    x = torch.randn(rows, k, device="cuda", generator=g).half()
+    outs = [torch.empty(rows, width, device="cuda").half() for width in (n, k, n, k)]
 
     def run():
         h = x

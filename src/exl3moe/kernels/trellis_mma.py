@@ -33,6 +33,7 @@ PORTABLE_CLUSTER, MAX_CLUSTER = 8, 16  # thread-block clusters of sm_90: above 8
 # cluster's blocks costs more there than the reduction saves).
 CLUSTER_MAX_BLOCKS = 384
 ONE_WAVE_MIN_BLOCKS = 7
+CHAIN_PREFETCH_KTILES = 8  # trellis words per warp asked of L2 by a chained call on a grid of <= 1 block per SM
 
 
 @dataclass(frozen=True)
@@ -149,27 +150,31 @@ def chain_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def mma_chains(fuse_in: bool, blocks: int, device: torch.device) -> bool:
-    """Whether a trellis_mma call goes out as a programmatic dependent launch of the stream's previous kernel
-    (CHAIN): its blocks become resident while that kernel finishes, ask L2 for their first trellis words, and wait for
-    it before they read x or touch the workspace. For calls that rotate x themselves on grids of at most one block per
-    SM (larger grids measured no faster, some slower); EXL3MOE_LINEAR_CHAIN=0 / 1 forces it off / on for such calls.
-    Both give the same bytes."""
+def mma_chain(fuse_in: bool, blocks: int, device: torch.device) -> int | None:
+    """For a trellis_mma call that goes out as a programmatic dependent launch of the stream's previous kernel
+    (CHAIN), the k-tiles of trellis words its blocks ask L2 for before they wait for that kernel (CHAIN_KT); None for a
+    plain launch. Calls that rotate x themselves: on grids of at most one block per SM (8 k-tiles), and on one-wave
+    grids of more than ONE_WAVE_MIN_BLOCKS - 1 blocks per SM (none: the prefetches slowed the running kernel there);
+    grids in between measured slower chained. EXL3MOE_LINEAR_CHAIN=0 / 1 forces it off / on for every call that
+    rotates x. Both give the same bytes."""
     env = os.environ.get("EXL3MOE_LINEAR_CHAIN")
     if not fuse_in or env == "0" or not chain_capable(device):
-        return False
-    return env == "1" or blocks <= nvrtc.sm_count(device)
+        return None
+    sms = nvrtc.sm_count(device)
+    if blocks <= sms:
+        return CHAIN_PREFETCH_KTILES
+    return 0 if env == "1" or blocks > (ONE_WAVE_MIN_BLOCKS - 1) * sms else None
 
 
 def call_kernel(w, mt: int, fuse_in: bool, prefetch: int, tiles: MmaTiles, device: torch.device,
                 nt: int | None = None, row_blocks: int = 1) -> tuple:
     """(CUfunction, nt, defer, chain) that a trellis_mma call of this variant launches, with its launch bounds (one
-    row block); defer: reduce_splits sums its partials; chain: a launch after the previous kernel (mma_chains)."""
+    row block); defer: reduce_splits sums its partials; chain: mma_chain's prefetch depth, None for a plain launch."""
     nt = nt or tiles_per_warp(mt)
     groups = w.trellis.shape[1] // (WARPS * nt)
     bounds = launch_bounds(nt, fuse_in, prefetch, tiles.splits, groups, device) if row_blocks == 1 else (0, 0)
     defer = mma_defers_reduce(mt, bounds[0], w.trellis.shape[1] // 8 * row_blocks, nvrtc.sm_count(device))
-    chain = mma_chains(fuse_in, groups * tiles.splits * row_blocks, device)
+    chain = mma_chain(fuse_in, groups * tiles.splits * row_blocks, device)
     if defer:
         reduce_kernel(device)
     return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds, defer, chain) + (defer, chain)
@@ -177,7 +182,7 @@ def call_kernel(w, mt: int, fuse_in: bool, prefetch: int, tiles: MmaTiles, devic
 
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
                nt: int | None = None, cluster: int = 0, min_blocks: int = 0, defer_reduce: bool = False,
-               chain: bool = False):
+               chain: int | None = None):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
     nt = nt or tiles_per_warp(mt)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
@@ -185,7 +190,7 @@ def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: 
     defines += (("CLUSTER_SPLITS", cluster),) if cluster else ()
     defines += (("MIN_BLOCKS", min_blocks),) if min_blocks else ()
     defines += (("DEFER_REDUCE", 1),) if defer_reduce else ()
-    defines += (("CHAIN", 1),) if chain else ()
+    defines += (("CHAIN", 1), ("CHAIN_KT", chain)) if chain is not None else ()
     func = nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0)
     if cluster > PORTABLE_CLUSTER:
         nvrtc.allow_non_portable_clusters(func)
@@ -393,7 +398,7 @@ def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tens
     nvrtc.launch(func, grid, WARPS * 32, [x, int(x.dtype == torch.bfloat16), w.suh, w.trellis, partials, w.svh, w.bias,
                                           out, OUT_DTYPE_ID[out.dtype], counters, rows, tiles_n * 16, tiles_n, k // 16,
                                           tiles.ktiles_per_split, x.stride(0), out.stride(0), tiles.splits],
-                 early=chain)
+                 early=chain is not None)
     if defer:
         reduce_splits(partials, w, out, rows, tiles.splits)
     return out

@@ -21,7 +21,7 @@ using T = Trellis<K2, CB>;
 #define CHAIN 0   // 1: a programmatic dependent launch of the stream's previous kernel (sm_90), waiting for it
 #endif
 #ifndef CHAIN_KT
-#define CHAIN_KT 8   // k-tiles of each warp's trellis words asked of L2 before that wait
+#define CHAIN_KT 0   // k-tiles of each warp's trellis words asked of L2 before that wait
 #endif
 #if CLUSTER_SPLITS
 #define MMA_CLUSTER __cluster_dims__(1, CLUSTER_SPLITS, 1)
