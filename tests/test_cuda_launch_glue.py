@@ -339,12 +339,13 @@ def test_warp_specialized_linear_launches_early_after_its_rotation(launches, mon
     assert not any(early for (_, name, *_), _, _, _, early in launches if name != "trellis_ws")
 
 
-@pytest.mark.parametrize("env, expected", [(None, [8, None, None, 0]), ("0", [None] * 4), ("1", [8, None, 0, 0])])
+@pytest.mark.parametrize("env, expected", [(None, [8, 8, None, 0]), ("0", [None] * 4), ("1", [8, 8, 0, 0])])
 def test_linear_calls_launch_after_the_previous_kernel_where_measured_faster(launches, monkeypatch, env, expected):
     """trellis_mma calls that rotate x themselves go out as programmatic dependents of the stream's previous kernel,
     compiled with CHAIN and their L2 prefetch depth: grids of at most one block per SM ask for 8 k-tiles of words,
-    one-wave grids of more than 6 blocks per SM for none, grids in between and calls on a rotated x launch plainly
-    (EXL3MOE_LINEAR_CHAIN=0: none; 1: every call that rotates x)."""
+    one-wave grids of more than 6 blocks per SM for none, grids in between launch plainly; so do calls of 17 rows or
+    more on a rotated x, after their chained rotate_input (EXL3MOE_LINEAR_CHAIN=0: none; 1: every call that rotates
+    x)."""
     from exl3moe.kernels import trellis_mma as tm
 
     if env:
@@ -367,7 +368,37 @@ def test_linear_calls_launch_after_the_previous_kernel_where_measured_faster(lau
     assert mma[0][0] <= 32 < mma[2][0] <= 6 * 32 < mma[3][0]
     chains = [d.get("CHAIN_KT") if d.get("CHAIN") == 1 else None for name, d in compiled if name == "trellis_mma"]
     assert chains == expected
-    assert not any(early for (_, name, *_), *_, early in launches if name != "trellis_mma")
+    reduces = [early for (_, name, *_), *_, early in launches if name == "reduce_splits"]
+    assert reduces == [expected[1] is not None], "the 20-row call's split reduction follows its matmul"
+
+
+@pytest.mark.parametrize("env", [None, "0"])
+def test_rotated_calls_of_17_rows_or_more_chain_their_launches(launches, monkeypatch, env):
+    """A call of 17..128 rows launches rotate_input, the trellis_mma after it and reduce_splits as programmatic
+    dependents of the kernel before each (rotate_input and reduce_splits compiled with CHAIN); 5 rows on a weight of
+    16M entries (rotate_input, then one m16 tile) launch plainly (EXL3MOE_LINEAR_CHAIN=0: nothing chains)."""
+    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear as linear_ops
+
+    if env:
+        monkeypatch.setenv("EXL3MOE_LINEAR_CHAIN", env)
+    monkeypatch.setattr(tm, "chain_capable", lambda device: True)
+    monkeypatch.setattr(linear_ops, "use_triton", lambda x: True)
+    compiled = []
+    monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="":
+                        compiled.append((name, dict(defines))) or (file, name, prelude))
+    for w, rows in ((random_weight(256, 384, 4, "mcg"), 20), (random_weight(4096, 4096, 2, "mcg"), 5)):
+        plan = linear_ops.LinearPlan(w, rows)
+        del launches[:]
+        x, out = torch.randn(rows, w.in_features).half(), torch.empty(rows, w.out_features).half()
+        plan.bind(plan.allocate()).run(x, out)
+        check(launches)
+        names = [func[1] for func, *_ in launches]
+        assert names == (["rotate_input", "trellis_mma", "reduce_splits"] if rows == 20 else
+                         ["rotate_input", "trellis_mma"])
+        assert [early for *_, early in launches] == [rows == 20 and env is None] * len(names)
+    chained = {name for name, d in compiled if d.get("CHAIN") == 1}
+    assert chained == (set() if env else {"rotate_input", "trellis_mma", "reduce_splits"})
 
 
 def test_linear_call_tells_trellis_mma_whether_it_rotated_x(launches, monkeypatch):
@@ -376,7 +407,7 @@ def test_linear_call_tells_trellis_mma_whether_it_rotated_x(launches, monkeypatc
 
     seen = []
     monkeypatch.setattr(linear_ops, "use_triton", lambda x: True)
-    monkeypatch.setattr(linear_ops, "rotate_input", lambda x, suh, xh: xh)
+    monkeypatch.setattr(linear_ops, "rotate_input", lambda x, suh, xh, chain=False: xh)
     monkeypatch.setattr(linear_ops, "trellis_mma", lambda *a, after_rotate=False, **kw: seen.append(after_rotate))
     w = random_weight(2048, 768, 4, "mcg")
     plan = linear_ops.LinearPlan(w, 128)

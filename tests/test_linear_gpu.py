@@ -162,12 +162,15 @@ def test_whole_split_blocks_give_trellis_mma_bytes(dtype, paired, monkeypatch):
 
 @pytest.mark.parametrize("k,n,rows,cluster,depth", [(2048, 768, 1, None, 8), (2048, 768, 8, None, 8),
                                                      (2048, 768, 1, "0", 8), (2048, 768, 8, "0", 8),
-                                                     (4096, 14336, 1, None, 0), (4096, 14336, 4, None, 0)])
+                                                     (4096, 14336, 1, None, 0), (4096, 14336, 4, None, 0),
+                                                     (2048, 768, 32, None, None), (2048, 768, 100, None, None),
+                                                     (4096, 14336, 64, None, None)])
 def test_chained_calls_that_feed_each_other_give_unchained_bytes(k, n, rows, cluster, depth, monkeypatch):
-    """Calls launched after the previous kernel (CHAIN: L2 prefetches of `depth` k-tiles, then griddepcontrol.wait)
-    where each reads the output the one before it writes, and a layer runs twice on one workspace: the bytes of
-    launches that wait for completion, eagerly and in a captured graph replayed over NaN-filled outputs."""
-    from exl3moe.kernels.trellis_mma import mma_chain, plan_mma
+    """Calls launched after the previous kernel (CHAIN: L2 prefetches of `depth` k-tiles, then griddepcontrol.wait;
+    None: a chained rotate_input and the kernels after it) where each reads the output the one before it writes, and
+    a layer runs twice on one workspace: the bytes of launches that wait for completion, eagerly and in a captured
+    graph replayed over NaN-filled outputs."""
+    from exl3moe.kernels.trellis_mma import fuses_rotation, mma_chain, plan_mma, rotated_chains
 
     if cluster:
         monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", cluster)
@@ -177,7 +180,10 @@ def test_chained_calls_that_feed_each_other_give_unchained_bytes(k, n, rows, clu
         w = make_weight(k_in, n_out, K, codebook, seed=k_in)
         w = EXL3Weight(w.trellis, w.suh, (w.svh.float() / (1.25 * k_in**0.5)).half(), codebook, w.bias)   # norm kept
         tiles = plan_mma(k_in, n_out)
-        assert mma_chain(True, n_out // 128 * tiles.splits, w.trellis.device) == depth, (k_in, n_out)
+        if depth is None:
+            assert not fuses_rotation(rows, k_in, n_out) and rotated_chains(rows, w.trellis.device)
+        else:
+            assert mma_chain(True, n_out // 128 * tiles.splits, w.trellis.device) == depth, (k_in, n_out)
         plan = LinearPlan(w, rows)
         layers.append(plan.bind(plan.allocate()))
     x = torch.randn(rows, k, device="cuda", generator=g).half()

@@ -150,14 +150,31 @@ def chain_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def mma_chain(fuse_in: bool, blocks: int, device: torch.device) -> int | None:
+CHAINED_ROTATION_ROWS = range(17, 129)   # calls whose x goes through rotate_input and whose rotation chains
+
+
+def rotated_chains(rows: int, device: torch.device) -> bool:
+    """Whether a call of `rows` rows that rotates x in rotate_input (17..128: none fuse it there) launches
+    rotate_input, the trellis_mma after it and reduce_splits as programmatic dependents of the kernel before each
+    (sm_90): rotate_input waits for the previous kernel before it reads x or writes its workspace, then lets the matmul
+    launch. Measured 0.82-0.99x back to back on every benchmark shape at 32-128 rows; 5-16 rows on the large weights
+    (rotate_input and one m16 tile) measured 1.03-1.06x, so they launch plainly. EXL3MOE_LINEAR_CHAIN=0 turns it off.
+    Both give the same bytes."""
+    return (rows in CHAINED_ROTATION_ROWS and os.environ.get("EXL3MOE_LINEAR_CHAIN") != "0"
+            and chain_capable(device))
+
+
+def mma_chain(fuse_in: bool, blocks: int, device: torch.device, rows: int = 1) -> int | None:
     """For a trellis_mma call that goes out as a programmatic dependent launch of the stream's previous kernel
     (CHAIN), the k-tiles of trellis words its blocks ask L2 for before they wait for that kernel (CHAIN_KT); None for a
     plain launch. Calls that rotate x themselves: on grids of at most one block per SM (8 k-tiles), and on one-wave
     grids of more than ONE_WAVE_MIN_BLOCKS - 1 blocks per SM (none: the prefetches slowed the running kernel there);
     grids in between measured slower chained. EXL3MOE_LINEAR_CHAIN=0 / 1 forces it off / on for every call that
-    rotates x. Both give the same bytes."""
+    rotates x. Calls of `rows` rows after a chained rotate_input (rotated_chains) chain as well, with 8 k-tiles on
+    grids of at most one block per SM and none above. Both give the same bytes."""
     env = os.environ.get("EXL3MOE_LINEAR_CHAIN")
+    if not fuse_in and rotated_chains(rows, device):   # after its chained rotate_input
+        return CHAIN_PREFETCH_KTILES if blocks <= nvrtc.sm_count(device) else 0
     if not fuse_in or env == "0" or not chain_capable(device):
         return None
     sms = nvrtc.sm_count(device)
@@ -174,9 +191,9 @@ def call_kernel(w, mt: int, fuse_in: bool, prefetch: int, tiles: MmaTiles, devic
     groups = w.trellis.shape[1] // (WARPS * nt)
     bounds = launch_bounds(nt, fuse_in, prefetch, tiles.splits, groups, device) if row_blocks == 1 else (0, 0)
     defer = mma_defers_reduce(mt, bounds[0], w.trellis.shape[1] // 8 * row_blocks, nvrtc.sm_count(device))
-    chain = mma_chain(fuse_in, groups * tiles.splits * row_blocks, device)
+    chain = mma_chain(fuse_in, groups * tiles.splits * row_blocks, device, 16 * mt)
     if defer:
-        reduce_kernel(device)
+        reduce_kernel(device, rotated_chains(16 * mt, device))
     return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds, defer, chain) + (defer, chain)
 
 
@@ -226,19 +243,25 @@ def dense_epilogue(y: torch.Tensor, w, out: torch.Tensor) -> torch.Tensor:
 ROTATE_DEFINES = (("K2", 8), ("CB", 1), ("MT", 1), ("NT", 2), ("PF", PREFETCH), ("WARPS", WARPS), ("FUSE_IN", 1))
 
 
-def rotate_kernel(device: torch.device):
-    """rotate_input's CUfunction."""
-    return nvrtc.kernel("trellis_mma.cu", "rotate_input", ROTATE_DEFINES, device.index or 0)
+def rotate_kernel(device: torch.device, chain: bool = False):
+    """rotate_input's CUfunction (chain: the variant that waits for the previous kernel first)."""
+    return nvrtc.kernel("trellis_mma.cu", "rotate_input", rotate_defines(chain), device.index or 0)
 
 
-def rotate_input(x: torch.Tensor, suh: torch.Tensor, xh: torch.Tensor) -> torch.Tensor:
-    """xh [rows, k] fp16 = Hn128(x * suh), bit-identical to the kernel's own rotation of up to 16 rows."""
+def rotate_defines(chain: bool) -> tuple:
+    return ROTATE_DEFINES + ((("CHAIN", 1),) if chain else ())
+
+
+def rotate_input(x: torch.Tensor, suh: torch.Tensor, xh: torch.Tensor, chain: bool = False) -> torch.Tensor:
+    """xh [rows, k] fp16 = Hn128(x * suh), bit-identical to the kernel's own rotation of up to 16 rows; chain: a
+    programmatic dependent launch of the stream's previous kernel (rotated_chains)."""
     rows, k = x.shape
-    func = rotate_kernel(x.device)
+    func = rotate_kernel(x.device, chain)
     for r0 in range(0, rows, MAX_GRID_Y):  # grid y counts rows
         part = min(MAX_GRID_Y, rows - r0)
         nvrtc.launch(func, (-(-k // 512), part, 1), 128, [x[r0:r0 + part], int(x.dtype == torch.bfloat16), suh,
-                                                         xh[r0:r0 + part], k, x.stride(0)])
+                                                         xh[r0:r0 + part], k, x.stride(0)],
+                     early=chain)
     return xh
 
 
@@ -318,9 +341,9 @@ def ws_kernel(K: float, codebook: str, device: torch.device, x_tma: bool = False
 SPLIT_REDUCE_ROWS = 8   # rows per reduce_splits block
 
 
-def reduce_kernel(device: torch.device):
-    """reduce_splits' CUfunction (in rotate_input's module)."""
-    return nvrtc.kernel("trellis_mma.cu", "reduce_splits", ROTATE_DEFINES, device.index or 0)
+def reduce_kernel(device: torch.device, chain: bool = False):
+    """reduce_splits' CUfunction (in rotate_input's module; chain: the variant that waits for the previous kernel)."""
+    return nvrtc.kernel("trellis_mma.cu", "reduce_splits", rotate_defines(chain), device.index or 0)
 
 
 def ws_defers_reduce(splits: int, n: int, sms: int) -> bool:
@@ -369,11 +392,13 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles, after_rotate: boo
 
 
 def reduce_splits(partials: torch.Tensor, w, out: torch.Tensor, rows: int, splits: int) -> None:
-    """out = Hn(sum of the split partials, in split order) * svh + bias, on blocks of SPLIT_REDUCE_ROWS rows."""
+    """out = Hn(sum of the split partials, in split order) * svh + bias, on blocks of SPLIT_REDUCE_ROWS rows; chained
+    (a programmatic dependent of the matmul before it) where the call's rotation is (rotated_chains)."""
     n = w.trellis.shape[1] * 16
-    nvrtc.launch(reduce_kernel(out.device), (n // 128, -(-rows // SPLIT_REDUCE_ROWS), 1), 128,
+    chain = rotated_chains(rows, out.device)
+    nvrtc.launch(reduce_kernel(out.device, chain), (n // 128, -(-rows // SPLIT_REDUCE_ROWS), 1), 128,
                  [partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], rows, n, out.stride(0), splits,
-                  SPLIT_REDUCE_ROWS])
+                  SPLIT_REDUCE_ROWS], early=chain)
 
 
 def trellis_mma(x: torch.Tensor, w, partials: torch.Tensor, counters: torch.Tensor, out: torch.Tensor,

@@ -15,7 +15,8 @@ from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
 from ..kernels.trellis_mma import (call_kernel, counter_count, decode_dense, dense_epilogue, dense_kernel,
                                    fuses_rotation, plan_mma, prefetch_for, reduce_kernel, rotate_input, rotate_kernel,
-                                   trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel, ws_paired, ws_x_tma)
+                                   rotated_chains, trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel,
+                                   ws_paired, ws_x_tma)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -131,9 +132,9 @@ class LinearPlan:
                 ws_kernel(w.K, w.codebook, w.device, ws_x_tma(k, n, w.K, w.codebook),
                           ws_paired(k, n, self.mma.splits, sms), defer)
                 if defer:
-                    reduce_kernel(w.device)
-            if not fuses_rotation(max_rows, k, n):
-                rotate_kernel(w.device)
+                    reduce_kernel(w.device, rotated_chains(MAX_FUSED_ROWS, w.device))   # ws rows are 32..128
+            for chain in {rotated_chains(rows, w.device) for rows in fused_rows if not fuses_rotation(rows, k, n)}:
+                rotate_kernel(w.device, chain)
             if self.dense_path:
                 dense_kernel(w.K, w.codebook, w.device)
                 dense_kernel(w.K, w.codebook, w.device, "dense_epilogue")
@@ -208,7 +209,7 @@ class LinearRunner:
             partials = self._partials[:mma.splits * rows * n].view(mma.splits, rows, n)
             rotated = not fuses_rotation(rows, k, n)
             if rotated:
-                x2 = rotate_input(x2, w.suh, xh)
+                x2 = rotate_input(x2, w.suh, xh, rotated_chains(rows, x2.device))
             trellis_mma(x2, w, partials, self._counters, out2, mma, after_rotate=rotated)
             return out
         if rows > MAX_FUSED_ROWS and mma is not None:

@@ -50,6 +50,9 @@ extern "C" __global__ void __launch_bounds__(128)
 rotate_input(const unsigned short* __restrict__ x, int x_bf16, const unsigned short* __restrict__ suh,
              unsigned short* __restrict__ xh, int k, int stride_x) {
 #if __CUDA_ARCH__ >= 900
+#if CHAIN
+    asm volatile("griddepcontrol.wait;" ::: "memory");   // a chained launch: the previous kernel may write x, xh
+#endif
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // a trellis_ws launched early may start
 #endif
     const int lane = threadIdx.x & 31;
@@ -77,6 +80,10 @@ reduce_splits(const float* __restrict__ part, const unsigned short* __restrict__
         prefetch_l2(svh + group_col, 256, threadIdx.x);
         prefetch_l2(bias != nullptr ? bias + group_col : nullptr, 256, threadIdx.x);
     }
+#if CHAIN && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     reduce_group<1, 4, true>(part, svh, bias, out, out_dtype, rows, n, m0, min(rows_per_block, rows - m0), group_col,
                              stride_out, splits, 4);
 }
