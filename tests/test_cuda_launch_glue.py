@@ -339,13 +339,12 @@ def test_warp_specialized_linear_launches_early_after_its_rotation(launches, mon
     assert not any(early for (_, name, *_), _, _, _, early in launches if name != "trellis_ws")
 
 
-@pytest.mark.parametrize("env, expected", [(None, [8, 8, None, 0]), ("0", [None] * 4), ("1", [8, 8, 0, 0])])
-def test_linear_calls_launch_after_the_previous_kernel_where_measured_faster(launches, monkeypatch, env, expected):
-    """trellis_mma calls that rotate x themselves go out as programmatic dependents of the stream's previous kernel,
-    compiled with CHAIN and their L2 prefetch depth: grids of at most one block per SM ask for 8 k-tiles of words,
-    one-wave grids of more than 6 blocks per SM for none, grids in between launch plainly; so do calls of 17 rows or
-    more on a rotated x, after their chained rotate_input (EXL3MOE_LINEAR_CHAIN=0: none; 1: every call that rotates
-    x)."""
+@pytest.mark.parametrize("env", [None, "0"])
+def test_linear_calls_launch_after_the_previous_kernel(launches, monkeypatch, env):
+    """trellis_mma calls go out as programmatic dependents of the stream's previous kernel, compiled with CHAIN and
+    their L2 prefetch depth: 8 k-tiles on grids of at most one block per SM, none above; grids of more than one and at
+    most 6 blocks per SM that rotate x themselves let their dependents launch only as their blocks exit (CHAIN_LATE).
+    A 20-row call's split reduction follows its matmul the same way (EXL3MOE_LINEAR_CHAIN=0: nothing chains)."""
     from exl3moe.kernels import trellis_mma as tm
 
     if env:
@@ -364,19 +363,22 @@ def test_linear_calls_launch_after_the_previous_kernel_where_measured_faster(lau
                        torch.empty(rows, w.out_features).half(), tiles)
     check(launches)
     mma = [(grid[0] * grid[1], early) for (_, name, *_), grid, _, _, early in launches if name == "trellis_mma"]
-    assert [early for _, early in mma] == [e is not None for e in expected]
+    assert [early for _, early in mma] == [env is None] * 4
     assert mma[0][0] <= 32 < mma[2][0] <= 6 * 32 < mma[3][0]
-    chains = [d.get("CHAIN_KT") if d.get("CHAIN") == 1 else None for name, d in compiled if name == "trellis_mma"]
-    assert chains == expected
+    defines = [d for name, d in compiled if name == "trellis_mma"]
+    chains = [d.get("CHAIN_KT") if d.get("CHAIN") == 1 else None for d in defines]
+    assert chains == ([None] * 4 if env else [8, 8, 0, 0])
+    assert [d.get("CHAIN_LATE", 0) for d in defines] == [0, 0, int(env is None), 0]
     reduces = [early for (_, name, *_), *_, early in launches if name == "reduce_splits"]
-    assert reduces == [expected[1] is not None], "the 20-row call's split reduction follows its matmul"
+    assert reduces == [env is None], "the 20-row call's split reduction follows its matmul"
 
 
 @pytest.mark.parametrize("env", [None, "0"])
-def test_rotated_calls_of_17_rows_or_more_chain_their_launches(launches, monkeypatch, env):
-    """A call of 17..128 rows launches rotate_input, the trellis_mma after it and reduce_splits as programmatic
-    dependents of the kernel before each (rotate_input and reduce_splits compiled with CHAIN); 5 rows on a weight of
-    16M entries (rotate_input, then one m16 tile) launch plainly (EXL3MOE_LINEAR_CHAIN=0: nothing chains)."""
+def test_rotated_calls_chain_their_launches(launches, monkeypatch, env):
+    """A call that rotates x in rotate_input launches it, the trellis_mma after it and reduce_splits as programmatic
+    dependents of the kernel before each (rotate_input and reduce_splits compiled with CHAIN); at 5..16 rows (one m16
+    tile, a weight of 16M entries) rotate_input and trellis_mma let their dependents launch only as their blocks exit
+    (CHAIN_LATE). EXL3MOE_LINEAR_CHAIN=0: nothing chains."""
     from exl3moe.kernels import trellis_mma as tm
     from exl3moe.ops import linear as linear_ops
 
@@ -389,16 +391,18 @@ def test_rotated_calls_of_17_rows_or_more_chain_their_launches(launches, monkeyp
                         compiled.append((name, dict(defines))) or (file, name, prelude))
     for w, rows in ((random_weight(256, 384, 4, "mcg"), 20), (random_weight(4096, 4096, 2, "mcg"), 5)):
         plan = linear_ops.LinearPlan(w, rows)
-        del launches[:]
+        del launches[:], compiled[:]
         x, out = torch.randn(rows, w.in_features).half(), torch.empty(rows, w.out_features).half()
         plan.bind(plan.allocate()).run(x, out)
         check(launches)
         names = [func[1] for func, *_ in launches]
         assert names == (["rotate_input", "trellis_mma", "reduce_splits"] if rows == 20 else
                          ["rotate_input", "trellis_mma"])
-        assert [early for *_, early in launches] == [rows == 20 and env is None] * len(names)
-    chained = {name for name, d in compiled if d.get("CHAIN") == 1}
-    assert chained == (set() if env else {"rotate_input", "trellis_mma", "reduce_splits"})
+        assert [early for *_, early in launches] == [env is None] * len(names)
+        ran = {name: d for name, d in compiled if name in names}   # the variants the run looked up
+        assert {name for name, d in ran.items() if d.get("CHAIN") == 1} == (set() if env else set(names))
+        late = {name for name, d in ran.items() if d.get("CHAIN_LATE") == 1}
+        assert late == ({"rotate_input", "trellis_mma"} if rows == 5 and env is None else set())
 
 
 def test_linear_call_tells_trellis_mma_whether_it_rotated_x(launches, monkeypatch):

@@ -164,7 +164,8 @@ def test_whole_split_blocks_give_trellis_mma_bytes(dtype, paired, monkeypatch):
                                                      (2048, 768, 1, "0", 8), (2048, 768, 8, "0", 8),
                                                      (4096, 14336, 1, None, 0), (4096, 14336, 4, None, 0),
                                                      (2048, 768, 32, None, None), (2048, 768, 100, None, None),
-                                                     (4096, 14336, 64, None, None)])
+                                                     (4096, 14336, 8, None, None), (4096, 14336, 64, None, None),
+                                                     (4096, 1408, 1, None, 0), (4096, 1408, 8, None, 0)])
 def test_chained_calls_that_feed_each_other_give_unchained_bytes(k, n, rows, cluster, depth, monkeypatch):
     """Calls launched after the previous kernel (CHAIN: L2 prefetches of `depth` k-tiles, then griddepcontrol.wait;
     None: a chained rotate_input and the kernels after it) where each reads the output the one before it writes, and

@@ -150,37 +150,43 @@ def chain_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-CHAINED_ROTATION_ROWS = range(17, 129)   # calls whose x goes through rotate_input and whose rotation chains
+CHAINED_ROTATION_ROWS = range(5, 129)   # calls whose x goes through rotate_input: their launches chain
+LATE_ROTATION_ROWS = range(5, 17)   # those of them that let dependents launch only as their blocks exit
 
 
 def rotated_chains(rows: int, device: torch.device) -> bool:
-    """Whether a call of `rows` rows that rotates x in rotate_input (17..128: none fuse it there) launches
-    rotate_input, the trellis_mma after it and reduce_splits as programmatic dependents of the kernel before each
-    (sm_90): rotate_input waits for the previous kernel before it reads x or writes its workspace, then lets the matmul
-    launch. Measured 0.82-0.99x back to back on every benchmark shape at 32-128 rows; 5-16 rows on the large weights
-    (rotate_input and one m16 tile) measured 1.03-1.06x, so they launch plainly. EXL3MOE_LINEAR_CHAIN=0 turns it off.
-    Both give the same bytes."""
+    """Whether a call of `rows` rows that rotates x in rotate_input (5..128 on weights of 16M entries or more,
+    17..128 below) launches rotate_input, the trellis_mma after it and reduce_splits as programmatic dependents of
+    the kernel before each (sm_90): rotate_input waits for the previous kernel before it reads x or writes its
+    workspace. Measured 0.82-0.99x back to back on every benchmark shape at 32-128 rows, 0.98x at 8 rows on the large
+    weights where their kernels let dependents launch only as their blocks exit (chain_late; 1.03-1.06x with the
+    earlier trigger). EXL3MOE_LINEAR_CHAIN=0 turns it off. Both give the same bytes."""
     return (rows in CHAINED_ROTATION_ROWS and os.environ.get("EXL3MOE_LINEAR_CHAIN") != "0"
             and chain_capable(device))
+
+
+def chain_late(fuse_in: bool, blocks: int, device: torch.device, rows: int) -> bool:
+    """Whether a chained trellis_mma (and its rotate_input) lets dependents launch only as its blocks exit (CHAIN_LATE)
+    instead of once they run: calls that rotate x themselves on grids of more than one and at most
+    ONE_WAVE_MIN_BLOCKS - 1 blocks per SM, and 5..16 rows after rotate_input. Dependents launched while such a grid
+    runs took its SMs unevenly (measured 0.92-1.13x, late 0.97-1.00x)."""
+    if not fuse_in:
+        return rows in LATE_ROTATION_ROWS
+    sms = nvrtc.sm_count(device)
+    return sms < blocks <= (ONE_WAVE_MIN_BLOCKS - 1) * sms
 
 
 def mma_chain(fuse_in: bool, blocks: int, device: torch.device, rows: int = 1) -> int | None:
     """For a trellis_mma call that goes out as a programmatic dependent launch of the stream's previous kernel
     (CHAIN), the k-tiles of trellis words its blocks ask L2 for before they wait for that kernel (CHAIN_KT); None for a
-    plain launch. Calls that rotate x themselves: on grids of at most one block per SM (8 k-tiles), and on one-wave
-    grids of more than ONE_WAVE_MIN_BLOCKS - 1 blocks per SM (none: the prefetches slowed the running kernel there);
-    grids in between measured slower chained. EXL3MOE_LINEAR_CHAIN=0 / 1 forces it off / on for every call that
-    rotates x. Calls of `rows` rows after a chained rotate_input (rotated_chains) chain as well, with 8 k-tiles on
-    grids of at most one block per SM and none above. Both give the same bytes."""
-    env = os.environ.get("EXL3MOE_LINEAR_CHAIN")
+    plain launch. Calls that rotate x themselves and calls of `rows` rows after a chained rotate_input
+    (rotated_chains) chain, with 8 k-tiles on grids of at most one block per SM and none above (there the prefetches
+    slowed the running kernel). EXL3MOE_LINEAR_CHAIN=0 turns it off. Both give the same bytes."""
     if not fuse_in and rotated_chains(rows, device):   # after its chained rotate_input
         return CHAIN_PREFETCH_KTILES if blocks <= nvrtc.sm_count(device) else 0
-    if not fuse_in or env == "0" or not chain_capable(device):
+    if not fuse_in or os.environ.get("EXL3MOE_LINEAR_CHAIN") == "0" or not chain_capable(device):
         return None
-    sms = nvrtc.sm_count(device)
-    if blocks <= sms:
-        return CHAIN_PREFETCH_KTILES
-    return 0 if env == "1" or blocks > (ONE_WAVE_MIN_BLOCKS - 1) * sms else None
+    return CHAIN_PREFETCH_KTILES if blocks <= nvrtc.sm_count(device) else 0
 
 
 def call_kernel(w, mt: int, fuse_in: bool, prefetch: int, tiles: MmaTiles, device: torch.device,
@@ -191,15 +197,17 @@ def call_kernel(w, mt: int, fuse_in: bool, prefetch: int, tiles: MmaTiles, devic
     groups = w.trellis.shape[1] // (WARPS * nt)
     bounds = launch_bounds(nt, fuse_in, prefetch, tiles.splits, groups, device) if row_blocks == 1 else (0, 0)
     defer = mma_defers_reduce(mt, bounds[0], w.trellis.shape[1] // 8 * row_blocks, nvrtc.sm_count(device))
-    chain = mma_chain(fuse_in, groups * tiles.splits * row_blocks, device, 16 * mt)
+    blocks = groups * tiles.splits * row_blocks
+    chain = mma_chain(fuse_in, blocks, device, 16 * mt)
+    late = chain is not None and chain_late(fuse_in, blocks, device, 16 * mt)
     if defer:
         reduce_kernel(device, rotated_chains(16 * mt, device))
-    return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds, defer, chain) + (defer, chain)
+    return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds, defer, chain, late) + (defer, chain)
 
 
 def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: bool, prefetch: int = PREFETCH,
                nt: int | None = None, cluster: int = 0, min_blocks: int = 0, defer_reduce: bool = False,
-               chain: int | None = None):
+               chain: int | None = None, late: bool = False):
     """(CUfunction, n16 tiles per warp) of one variant; compiling it if needed."""
     nt = nt or tiles_per_warp(mt)
     defines = (("K2", int(K * 2)), ("CB", CODEBOOK_ID[codebook]), ("MT", mt), ("NT", nt), ("PF", prefetch),
@@ -208,6 +216,7 @@ def mma_kernel(K: float, codebook: str, mt: int, device: torch.device, fuse_in: 
     defines += (("MIN_BLOCKS", min_blocks),) if min_blocks else ()
     defines += (("DEFER_REDUCE", 1),) if defer_reduce else ()
     defines += (("CHAIN", 1), ("CHAIN_KT", chain)) if chain is not None else ()
+    defines += (("CHAIN_LATE", 1),) if late else ()
     func = nvrtc.kernel("trellis_mma.cu", "trellis_mma", defines, device.index or 0)
     if cluster > PORTABLE_CLUSTER:
         nvrtc.allow_non_portable_clusters(func)
@@ -243,20 +252,21 @@ def dense_epilogue(y: torch.Tensor, w, out: torch.Tensor) -> torch.Tensor:
 ROTATE_DEFINES = (("K2", 8), ("CB", 1), ("MT", 1), ("NT", 2), ("PF", PREFETCH), ("WARPS", WARPS), ("FUSE_IN", 1))
 
 
-def rotate_kernel(device: torch.device, chain: bool = False):
-    """rotate_input's CUfunction (chain: the variant that waits for the previous kernel first)."""
-    return nvrtc.kernel("trellis_mma.cu", "rotate_input", rotate_defines(chain), device.index or 0)
+def rotate_kernel(device: torch.device, chain: bool = False, late: bool = False):
+    """rotate_input's CUfunction (chain: the variant that waits for the previous kernel first; late: that lets its
+    dependents launch only as its blocks exit)."""
+    return nvrtc.kernel("trellis_mma.cu", "rotate_input", rotate_defines(chain, late), device.index or 0)
 
 
-def rotate_defines(chain: bool) -> tuple:
-    return ROTATE_DEFINES + ((("CHAIN", 1),) if chain else ())
+def rotate_defines(chain: bool, late: bool = False) -> tuple:
+    return ROTATE_DEFINES + ((("CHAIN", 1),) if chain else ()) + ((("CHAIN_LATE", 1),) if chain and late else ())
 
 
 def rotate_input(x: torch.Tensor, suh: torch.Tensor, xh: torch.Tensor, chain: bool = False) -> torch.Tensor:
     """xh [rows, k] fp16 = Hn128(x * suh), bit-identical to the kernel's own rotation of up to 16 rows; chain: a
     programmatic dependent launch of the stream's previous kernel (rotated_chains)."""
     rows, k = x.shape
-    func = rotate_kernel(x.device, chain)
+    func = rotate_kernel(x.device, chain, chain and rows in LATE_ROTATION_ROWS)
     for r0 in range(0, rows, MAX_GRID_Y):  # grid y counts rows
         part = min(MAX_GRID_Y, rows - r0)
         nvrtc.launch(func, (-(-k // 512), part, 1), 128, [x[r0:r0 + part], int(x.dtype == torch.bfloat16), suh,

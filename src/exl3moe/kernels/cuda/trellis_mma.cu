@@ -20,6 +20,9 @@ using T = Trellis<K2, CB>;
 #ifndef CHAIN
 #define CHAIN 0   // 1: a programmatic dependent launch of the stream's previous kernel (sm_90), waiting for it
 #endif
+#ifndef CHAIN_LATE
+#define CHAIN_LATE 0   // 1: a chained kernel lets its dependents launch only as its blocks exit
+#endif
 #ifndef CHAIN_KT
 #define CHAIN_KT 0   // k-tiles of each warp's trellis words asked of L2 before that wait
 #endif
@@ -53,7 +56,9 @@ rotate_input(const unsigned short* __restrict__ x, int x_bf16, const unsigned sh
 #if CHAIN
     asm volatile("griddepcontrol.wait;" ::: "memory");   // a chained launch: the previous kernel may write x, xh
 #endif
+#if !(CHAIN && CHAIN_LATE)
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");   // a trellis_ws launched early may start
+#endif
 #endif
     const int lane = threadIdx.x & 31;
     const int chunk = blockIdx.x * 4 + (threadIdx.x >> 5);
@@ -117,7 +122,7 @@ trellis_mma(const unsigned short* __restrict__ x, int x_bf16, const unsigned sho
     if (FUSE_IN && warp == 0) prefetch_l2_lines(suh + kt0 * 16, CHUNK * 16 * 2, lane);
     asm volatile("griddepcontrol.wait;" ::: "memory");
     // The next such launch may start once this grid runs, not before: waiting grids would pile up on the SMs.
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+    if (!CHAIN_LATE) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 
     float acc[MT][NT][2][4];
