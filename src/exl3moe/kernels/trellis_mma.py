@@ -150,8 +150,7 @@ def chain_capable(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
-CHAINED_ROTATION_ROWS = range(5, 129)   # calls whose x goes through rotate_input: their launches chain
-LATE_ROTATION_ROWS = range(5, 17)   # those of them that let dependents launch only as their blocks exit
+MAX_CHAINED_ROWS = 128   # calls of up to this many rows chain their launches (above: the dense path)
 
 
 def rotated_chains(rows: int, device: torch.device) -> bool:
@@ -161,8 +160,13 @@ def rotated_chains(rows: int, device: torch.device) -> bool:
     workspace. Measured 0.82-0.99x back to back on every benchmark shape at 32-128 rows, 0.98x at 8 rows on the large
     weights where their kernels let dependents launch only as their blocks exit (chain_late; 1.03-1.06x with the
     earlier trigger). EXL3MOE_LINEAR_CHAIN=0 turns it off. Both give the same bytes."""
-    return (rows in CHAINED_ROTATION_ROWS and os.environ.get("EXL3MOE_LINEAR_CHAIN") != "0"
-            and chain_capable(device))
+    return rows <= MAX_CHAINED_ROWS and os.environ.get("EXL3MOE_LINEAR_CHAIN") != "0" and chain_capable(device)
+
+
+def late_rotation(rows: int) -> bool:
+    """Whether a chained call of `rows` rows through rotate_input runs one m16 tile (5..16 rows: weights of 16M
+    entries or more rotate up to 4 themselves), whose rotate_input and trellis_mma trigger at exit (chain_late)."""
+    return rows <= 16
 
 
 def chain_late(fuse_in: bool, blocks: int, device: torch.device, rows: int) -> bool:
@@ -171,7 +175,7 @@ def chain_late(fuse_in: bool, blocks: int, device: torch.device, rows: int) -> b
     ONE_WAVE_MIN_BLOCKS - 1 blocks per SM, and 5..16 rows after rotate_input. Dependents launched while such a grid
     runs took its SMs unevenly (measured 0.92-1.13x, late 0.97-1.00x)."""
     if not fuse_in:
-        return rows in LATE_ROTATION_ROWS
+        return late_rotation(rows)
     sms = nvrtc.sm_count(device)
     return sms < blocks <= (ONE_WAVE_MIN_BLOCKS - 1) * sms
 
@@ -266,7 +270,7 @@ def rotate_input(x: torch.Tensor, suh: torch.Tensor, xh: torch.Tensor, chain: bo
     """xh [rows, k] fp16 = Hn128(x * suh), bit-identical to the kernel's own rotation of up to 16 rows; chain: a
     programmatic dependent launch of the stream's previous kernel (rotated_chains)."""
     rows, k = x.shape
-    func = rotate_kernel(x.device, chain, chain and rows in LATE_ROTATION_ROWS)
+    func = rotate_kernel(x.device, chain, chain and late_rotation(rows))
     for r0 in range(0, rows, MAX_GRID_Y):  # grid y counts rows
         part = min(MAX_GRID_Y, rows - r0)
         nvrtc.launch(func, (-(-k // 512), part, 1), 128, [x[r0:r0 + part], int(x.dtype == torch.bfloat16), suh,

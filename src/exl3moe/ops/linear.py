@@ -16,7 +16,7 @@ from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
 from ..kernels.trellis_mma import (call_kernel, counter_count, decode_dense, dense_epilogue, dense_kernel,
                                    fuses_rotation, plan_mma, prefetch_for, reduce_kernel, rotate_input, rotate_kernel,
                                    rotated_chains, trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel,
-                                   ws_paired, ws_x_tma, LATE_ROTATION_ROWS)
+                                   ws_paired, ws_x_tma, late_rotation)
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -136,7 +136,7 @@ class LinearPlan:
             for rows in fused_rows:
                 if not fuses_rotation(rows, k, n):
                     chain = rotated_chains(rows, w.device)
-                    rotate_kernel(w.device, chain, chain and rows in LATE_ROTATION_ROWS)
+                    rotate_kernel(w.device, chain, chain and late_rotation(rows))
             if self.dense_path:
                 dense_kernel(w.K, w.codebook, w.device)
                 dense_kernel(w.K, w.codebook, w.device, "dense_epilogue")
