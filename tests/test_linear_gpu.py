@@ -212,6 +212,50 @@ def test_chained_calls_that_feed_each_other_give_unchained_bytes(k, n, rows, clu
     assert all(torch.isfinite(a).all() for a in expected)
 
 
+@pytest.mark.parametrize("rows", [1, 32])
+def test_chained_calls_after_a_copy_or_another_streams_event_read_the_fresh_input(rows, monkeypatch):
+    """A chained call whose input comes from a memcpy, or from a kernel on another stream through an event, reads the
+    new input, eagerly and in a captured graph (the programmatic launch relaxes only a kernel-to-kernel order)."""
+    w = make_weight(2048, 768, 4, "mcg", seed=31)
+    plan = LinearPlan(w, rows)
+    runner = plan.bind(plan.allocate())
+    g = torch.Generator(device="cuda").manual_seed(37)
+    src, x, out = (torch.randn(rows, 2048, device="cuda", generator=g).half(), torch.zeros(rows, 2048, device="cuda")
+                   .half(), torch.empty(rows, 768, device="cuda").half())
+    monkeypatch.setenv("EXL3MOE_LINEAR_CHAIN", "0")
+    expected = linear(src, w)
+    monkeypatch.delenv("EXL3MOE_LINEAR_CHAIN")
+    LinearPlan(w, rows)   # the chained variants, compiled before any capture
+    side = torch.cuda.Stream()
+
+    def by_copy():
+        runner.run(x, out)   # a chained kernel just before the copy
+        x.copy_(src)
+        runner.run(x, out)
+
+    def by_event():
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x.copy_(src * 1)   # a kernel on the other stream
+        torch.cuda.current_stream().wait_stream(side)
+        runner.run(x, out)
+
+    for call in (by_copy, by_event):
+        x.zero_()
+        call()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), call.__name__
+        x.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        x.zero_()
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.view(torch.int16), expected.view(torch.int16)), call.__name__
+
+
 @pytest.mark.parametrize("k,n,K,codebook,dtype", [(14336, 4096, 3, "mul1", torch.float16),
                                                    (4096, 1408, 4, "mcg", torch.bfloat16),
                                                    (2048, 768, 6, "3inst", torch.float32)])
