@@ -171,7 +171,7 @@ def test_chained_calls_that_feed_each_other_give_unchained_bytes(k, n, rows, clu
     None: a chained rotate_input and the kernels after it) where each reads the output the one before it writes, and
     a layer runs twice on one workspace: the bytes of launches that wait for completion, eagerly and in a captured
     graph replayed over NaN-filled outputs."""
-    from exl3moe.kernels.trellis_mma import fuses_rotation, mma_chain, plan_mma, rotated_chains
+    from exl3moe.kernels.trellis_mma import fuses_rotation, mma_chain, plan_mma, linear_chains
 
     if cluster:
         monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", cluster)
@@ -182,9 +182,9 @@ def test_chained_calls_that_feed_each_other_give_unchained_bytes(k, n, rows, clu
         w = EXL3Weight(w.trellis, w.suh, (w.svh.float() / (1.25 * k_in**0.5)).half(), codebook, w.bias)   # norm kept
         tiles = plan_mma(k_in, n_out)
         if depth is None:
-            assert not fuses_rotation(rows, k_in, n_out) and rotated_chains(rows, w.trellis.device)
+            assert not fuses_rotation(rows, k_in, n_out) and linear_chains(rows, w.trellis.device)
         else:
-            assert mma_chain(True, n_out // 128 * tiles.splits, w.trellis.device) == depth, (k_in, n_out)
+            assert mma_chain(n_out // 128 * tiles.splits, w.trellis.device) == depth, (k_in, n_out)
         plan = LinearPlan(w, rows)
         layers.append(plan.bind(plan.allocate()))
     x = torch.randn(rows, k, device="cuda", generator=g).half()

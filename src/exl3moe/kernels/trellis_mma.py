@@ -9,6 +9,7 @@ bytes never depend on the batch.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -145,6 +146,7 @@ def mma_defers_reduce(mt: int, cluster: int, groups: int, sms: int) -> bool:
     return not cluster and env != "0" and (env == "1" or (mt >= 2 and 2 * groups < sms))
 
 
+@functools.lru_cache(maxsize=None)
 def chain_capable(device: torch.device) -> bool:
     """Programmatic dependent launches (griddepcontrol) exist from sm_90."""
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
@@ -153,11 +155,11 @@ def chain_capable(device: torch.device) -> bool:
 MAX_CHAINED_ROWS = 128   # calls of up to this many rows chain their launches (above: the dense path)
 
 
-def rotated_chains(rows: int, device: torch.device) -> bool:
-    """Whether a call of `rows` rows that rotates x in rotate_input (5..128 on weights of 16M entries or more,
-    17..128 below) launches rotate_input, the trellis_mma after it and reduce_splits as programmatic dependents of
-    the kernel before each (sm_90): rotate_input waits for the previous kernel before it reads x or writes its
-    workspace. Measured 0.82-0.99x back to back on every benchmark shape at 32-128 rows, 0.98x at 8 rows on the large
+def linear_chains(rows: int, device: torch.device) -> bool:
+    """Whether a call of `rows` rows (up to MAX_CHAINED_ROWS) launches its kernels as programmatic dependents of the
+    kernel before each (sm_90): its first kernel (trellis_mma where it rotates x, else rotate_input) waits for the
+    stream's previous kernel before it reads x or writes its workspace, and the matmul and reduce_splits follow the
+    same way. Measured 0.74-0.99x back to back over the benchmark shapes at 1-128 rows; 0.98x at 8 rows on the large
     weights where their kernels let dependents launch only as their blocks exit (chain_late; 1.03-1.06x with the
     earlier trigger). EXL3MOE_LINEAR_CHAIN=0 turns it off. Both give the same bytes."""
     return rows <= MAX_CHAINED_ROWS and os.environ.get("EXL3MOE_LINEAR_CHAIN") != "0" and chain_capable(device)
@@ -180,15 +182,11 @@ def chain_late(fuse_in: bool, blocks: int, device: torch.device, rows: int) -> b
     return sms < blocks <= (ONE_WAVE_MIN_BLOCKS - 1) * sms
 
 
-def mma_chain(fuse_in: bool, blocks: int, device: torch.device, rows: int = 1) -> int | None:
-    """For a trellis_mma call that goes out as a programmatic dependent launch of the stream's previous kernel
-    (CHAIN), the k-tiles of trellis words its blocks ask L2 for before they wait for that kernel (CHAIN_KT); None for a
-    plain launch. Calls that rotate x themselves and calls of `rows` rows after a chained rotate_input
-    (rotated_chains) chain, with 8 k-tiles on grids of at most one block per SM and none above (there the prefetches
-    slowed the running kernel). EXL3MOE_LINEAR_CHAIN=0 turns it off. Both give the same bytes."""
-    if not fuse_in and rotated_chains(rows, device):   # after its chained rotate_input
-        return CHAIN_PREFETCH_KTILES if blocks <= nvrtc.sm_count(device) else 0
-    if not fuse_in or os.environ.get("EXL3MOE_LINEAR_CHAIN") == "0" or not chain_capable(device):
+def mma_chain(blocks: int, device: torch.device, rows: int = 1) -> int | None:
+    """For a trellis_mma call of `rows` rows that chains (linear_chains), the k-tiles of trellis words its blocks ask
+    L2 for before they wait for the previous kernel (CHAIN_KT): 8 on grids of at most one block per SM, none above
+    (there the prefetch slowed the running kernel); None for a plain launch."""
+    if not linear_chains(rows, device):
         return None
     return CHAIN_PREFETCH_KTILES if blocks <= nvrtc.sm_count(device) else 0
 
@@ -202,10 +200,10 @@ def call_kernel(w, mt: int, fuse_in: bool, prefetch: int, tiles: MmaTiles, devic
     bounds = launch_bounds(nt, fuse_in, prefetch, tiles.splits, groups, device) if row_blocks == 1 else (0, 0)
     defer = mma_defers_reduce(mt, bounds[0], w.trellis.shape[1] // 8 * row_blocks, nvrtc.sm_count(device))
     blocks = groups * tiles.splits * row_blocks
-    chain = mma_chain(fuse_in, blocks, device, 16 * mt)
+    chain = mma_chain(blocks, device, 16 * mt)
     late = chain is not None and chain_late(fuse_in, blocks, device, 16 * mt)
     if defer:
-        reduce_kernel(device, rotated_chains(16 * mt, device))
+        reduce_kernel(device, linear_chains(16 * mt, device))
     return mma_kernel(w.K, w.codebook, mt, device, fuse_in, prefetch, nt, *bounds, defer, chain, late) + (defer, chain)
 
 
@@ -268,7 +266,7 @@ def rotate_defines(chain: bool, late: bool = False) -> tuple:
 
 def rotate_input(x: torch.Tensor, suh: torch.Tensor, xh: torch.Tensor, chain: bool = False) -> torch.Tensor:
     """xh [rows, k] fp16 = Hn128(x * suh), bit-identical to the kernel's own rotation of up to 16 rows; chain: a
-    programmatic dependent launch of the stream's previous kernel (rotated_chains)."""
+    programmatic dependent launch of the stream's previous kernel (linear_chains)."""
     rows, k = x.shape
     func = rotate_kernel(x.device, chain, chain and late_rotation(rows))
     for r0 in range(0, rows, MAX_GRID_Y):  # grid y counts rows
@@ -407,9 +405,9 @@ def _launch_ws(x, w, partials, counters, out, tiles: MmaTiles, after_rotate: boo
 
 def reduce_splits(partials: torch.Tensor, w, out: torch.Tensor, rows: int, splits: int) -> None:
     """out = Hn(sum of the split partials, in split order) * svh + bias, on blocks of SPLIT_REDUCE_ROWS rows; chained
-    (a programmatic dependent of the matmul before it) where the call's rotation is (rotated_chains)."""
+    (a programmatic dependent of the matmul before it) where the call's rotation is (linear_chains)."""
     n = w.trellis.shape[1] * 16
-    chain = rotated_chains(rows, out.device)
+    chain = linear_chains(rows, out.device)
     nvrtc.launch(reduce_kernel(out.device, chain), (n // 128, -(-rows // SPLIT_REDUCE_ROWS), 1), 128,
                  [partials, w.svh, w.bias, out, OUT_DTYPE_ID[out.dtype], rows, n, out.stride(0), splits,
                   SPLIT_REDUCE_ROWS], early=chain)

@@ -15,7 +15,7 @@ from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
 from ..kernels.trellis_mma import (call_kernel, counter_count, decode_dense, dense_epilogue, dense_kernel,
                                    fuses_rotation, plan_mma, prefetch_for, reduce_kernel, rotate_input, rotate_kernel,
-                                   rotated_chains, trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel,
+                                   linear_chains, trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel,
                                    ws_paired, ws_x_tma, late_rotation)
 
 MAX_FUSED_ROWS = 128
@@ -132,11 +132,10 @@ class LinearPlan:
                 ws_kernel(w.K, w.codebook, w.device, ws_x_tma(k, n, w.K, w.codebook),
                           ws_paired(k, n, self.mma.splits, sms), defer)
                 if defer:
-                    reduce_kernel(w.device, rotated_chains(MAX_FUSED_ROWS, w.device))   # ws rows are 32..128
-            for rows in fused_rows:
-                if not fuses_rotation(rows, k, n):
-                    chain = rotated_chains(rows, w.device)
-                    rotate_kernel(w.device, chain, chain and late_rotation(rows))
+                    reduce_kernel(w.device, linear_chains(MAX_FUSED_ROWS, w.device))   # ws rows are 32..128
+            for chain, late in {(linear_chains(rows, w.device), late_rotation(rows)) for rows in fused_rows
+                                if not fuses_rotation(rows, k, n)}:
+                rotate_kernel(w.device, chain, chain and late)
             if self.dense_path:
                 dense_kernel(w.K, w.codebook, w.device)
                 dense_kernel(w.K, w.codebook, w.device, "dense_epilogue")
@@ -211,7 +210,7 @@ class LinearRunner:
             partials = self._partials[:mma.splits * rows * n].view(mma.splits, rows, n)
             rotated = not fuses_rotation(rows, k, n)
             if rotated:
-                x2 = rotate_input(x2, w.suh, xh, rotated_chains(rows, x2.device))
+                x2 = rotate_input(x2, w.suh, xh, linear_chains(rows, x2.device))
             trellis_mma(x2, w, partials, self._counters, out2, mma, after_rotate=rotated)
             return out
         if rows > MAX_FUSED_ROWS and mma is not None:
