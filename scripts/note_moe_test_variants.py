@@ -79,3 +79,17 @@ for env, values in (("EXL3MOE_MOE_WS_STAGE_KT", ("4", "8")), ("EXL3MOE_MOE_X_TMA
                      out_dtype=torch.float16)
     os.environ.pop(env)
 print("noted")
+sb = [ResidualStage(res(u.gate, 2, "mcg"), res(u.up, 2, "mcg"), res(u.down, 2, "mcg"), torch.zeros(16, 3)),
+      ResidualStage(None, None, res(u.down, 1, "mcg"), torch.zeros(16, 3))]
+rule = moe_mma.stage_blocks
+for setting in ("1", "0"):   # stages in blocks of their own (the rule widened below 16 rows) against one accumulator
+    os.environ["EXL3MOE_MOE_STAGE_BLOCKS"] = setting
+    for T, block_m in ((12, 16), (30, 16), (2, None), (6, None), (40, 32)):
+        moe_mma.stage_blocks = rule if block_m == 16 else (lambda plan: bool(plan.stage_formats) and not plan.ws
+                                                            and os.environ.get("EXL3MOE_MOE_STAGE_BLOCKS") != "0")
+        moe_plan(ExpertSet(u.gate, u.up, u.down, "silu", stages=sb), T, 4, block_m=block_m, out_dtype=torch.float16)
+moe_mma.stage_blocks = rule
+os.environ.pop("EXL3MOE_MOE_STAGE_BLOCKS")
+for T, block_m in ((1, 16), (9, 32), (40, 64)):   # the gelu / clamp / bias stage layer below 128 rows
+    moe_plan(ExpertSet(b.gate, b.up, b.down, "gelu", limit=6.0, stages=stages), T, 4, block_m=block_m,
+             out_dtype=torch.float16)

@@ -61,7 +61,7 @@ def check(recorded):
         assert all(g >= 1 for g in grid) and block % 32 == 0 and block <= 1024, (name, grid, block)
 
 
-@pytest.mark.parametrize("T, block_m", [(3, None), (40, 64), (70, 128)])
+@pytest.mark.parametrize("T, block_m", [(3, None), (20, 16), (40, 64), (70, 128)])
 def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
     g = torch.Generator().manual_seed(3)
     experts = random_experts(8, 256, 384, K=[4, 2.5, 3, 2] * 2, codebook=["mcg", "mul1", "3inst", "mcg"] * 2, bias=True,
@@ -82,7 +82,8 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
     else:
         expected = ["route_pack", "gate_up", "down", "shared_gate_up", "shared_down", "combine"]
         if plan.mma.pre_rotate:
-            expected = ["route_pack", "rotate"] + expected[1:3] + ["shared_rotate"] + expected[3:]
+            shared_rotate = ["shared_rotate"] if plan.shared_mma.pre_rotate else []
+            expected = ["route_pack", "rotate"] + expected[1:3] + shared_rotate + expected[3:]
     assert list(calls) == expected
     cuda = [name for name in expected if name not in ("route_pack", "combine")]
     for name in cuda:
@@ -100,9 +101,16 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
     down = [call for call in launches if call[0][1] == "moe_down_mma"][-1 if plan.mma.direct else 0]
     rows = 2 if plan.mma.split_inner else 1   # packed calls of more than 32 slots: splits along y, route blocks z
     assert plan.mma.split_inner == (not plan.mma.direct)
-    assert (routed[1][0], routed[1][rows]) == (2 * 384 // 128, runner._ws["block_expert"].numel()
-                                               if not plan.mma.direct else ids.numel())
-    assert routed[1][3 - rows] == plan.mma.gate_up_splits and down[1][3 - rows] == plan.mma.down_splits
+    # A packed 16-row plan runs the stage's passes in blocks of their own: z doubles (its route blocks).
+    assert plan.mma.stage_blocks == (block_m == 16)
+    assert plan.mma.stage_blocks == (("STAGE_BLOCKS", 1) in moe_mma.kernel_source(plan.mma, "moe_down_mma")[0])
+    passes = (2 if plan.mma.stage_blocks else 1, 1)
+    assert (routed[1][0], routed[1][rows]) == (2 * 384 // 128, passes[0] * (runner._ws["block_expert"].numel()
+                                                                           if not plan.mma.direct else ids.numel()))
+    assert routed[1][3 - rows] == passes[1] * plan.mma.gate_up_splits
+    assert down[1][3 - rows] == passes[1] * plan.mma.down_splits
+    parts = moe_mma.workspace_numels(plan.mma, plan.slot_capacity, 1, 256, 384)
+    assert parts["gate_up_partial"] == passes[0] * plan.mma.gate_up_splits * 2 * plan.slot_capacity * 384
     assert down[1][0] == 256 // 128, "grid rows are route blocks, their column blocks along x"
     if plan.mma.direct:
         assert routed[3][3] is ids and routed[1][1] == down[1][1] == ids.numel(), "one block per slot, from the ids"

@@ -349,6 +349,49 @@ def test_union_stage_passes_give_the_bytes_of_separate_switches(block_m, monkeyp
     assert rel_l2(outs["1"], moe(x, layer, ids, weights)) < 2e-3
 
 
+@pytest.mark.parametrize("T, block_m", [(12, 16), (30, 16), (2, None), (6, None), (40, 32)])
+def test_stage_blocks_keep_each_tokens_bytes_and_the_base_bytes_without_an_active_stage(T, block_m, monkeypatch):
+    """Stages in blocks of their own (packed 16-row plans by default; direct, small packed and 32-row plans with the
+    rule widened), with a stage on gate, up and down of some experts, on up or on down alone of others, none on the
+    rest: within 2e-3 of float64, a token's bytes equal alone and in the batch, and a token whose experts have no
+    active stage gets the bytes of the plan that runs base and stages in one accumulator."""
+    import os
+    from exl3moe import ResidualStage
+    if block_m != 16:   # the kernels support every mma.sync plan; the default rule takes 16-row packed ones only
+        monkeypatch.setattr(moe_mma, "stage_blocks", lambda plan: bool(plan.stage_formats) and not plan.ws
+                            and os.environ.get("EXL3MOE_MOE_STAGE_BLOCKS") != "0")
+    E, H, I, top_k = 16, 512, 384, 4
+    g = torch.Generator(device="cuda").manual_seed(80)
+    base = random_experts(E, H, I, [4], ["mcg"], seed=81)
+
+    def residuals(ws, K):
+        return [EXL3Weight(torch.randint(-32768, 32768, w.trellis.shape[:2] + (int(16 * K),), dtype=torch.int32,
+                                         device="cuda", generator=g).to(torch.int16), w.suh, w.svh, "mcg") for w in ws]
+
+    every, up_only, down_only = (torch.zeros(E, 3, device="cuda") for _ in range(3))
+    every[0::4], up_only[1::4, 1], down_only[2::4, 2] = 0.1, 0.2, 0.15
+    stages = [ResidualStage(residuals(base.gate, 2), residuals(base.up, 2), residuals(base.down, 2), every + up_only),
+              ResidualStage(None, None, residuals(base.down, 1), down_only)]
+    layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=stages)
+    x = (torch.randn(T, H, device="cuda", generator=g) / 4).half()
+    ids, weights = routing(T, E, top_k, 82)
+    ids[0] = torch.tensor([3, 7, 11, 15], device="cuda")   # experts without an active stage
+    outs = {}
+    for setting in ("1", "0"):
+        monkeypatch.setenv("EXL3MOE_MOE_STAGE_BLOCKS", setting)
+        plan = moe_plan(layer, T, top_k, block_m=block_m, out_dtype=torch.float16)
+        assert plan.mma is not None and plan.mma.stage_blocks == (setting == "1")
+        runner = plan.bind(plan.allocate())
+        outs[setting] = torch.empty(T, H, device="cuda", dtype=torch.float16)
+        runner.run(x, ids, weights, outs[setting])
+        assert rel_l2(outs[setting], moe(x, layer, ids, weights)) < 2e-3, setting
+        for t in sorted({0, T // 2, T - 1}):
+            alone = torch.empty(1, H, device="cuda", dtype=torch.float16)
+            runner.run(x[t:t + 1], ids[t:t + 1], weights[t:t + 1], alone)
+            assert torch.equal(bits(alone[0]), bits(outs[setting][t])), (setting, t)
+    assert torch.equal(bits(outs["1"][0]), bits(outs["0"][0]))
+
+
 def test_direct_route_small_calls(qwen3_layer, monkeypatch):
     """A direct plan (raised here to 64 slots) skips the route pack and combines in down: float64 agreement with a
     shared expert and remote ids, fp16 / bf16 / fp32 output, batch invariance inside the plan, and graph replay."""

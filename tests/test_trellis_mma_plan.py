@@ -271,3 +271,21 @@ def test_packed_calls_past_small_ones_launch_a_route_blocks_splits_together(monk
     assert not split_inner_grid(replace(packed, ws=True)) and not split_inner_grid(replace(packed, route_major=False))
     monkeypatch.setenv("EXL3MOE_MOE_SPLIT_INNER", "0")
     assert not split_inner_grid(packed)
+
+
+def test_stage_plans_on_mma_sync_run_their_stages_in_blocks_of_their_own(monkeypatch):
+    from exl3moe.kernels.moe_mma import MoeMmaPlan, _grid, kernel_source, partial_splits, stage_blocks
+
+    staged = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((4, 1),), 2, 64, 3, 16, False)
+    assert stage_blocks(staged)
+    assert not stage_blocks(replace(staged, small_call=True)), "every block of a small call is in flight at once"
+    assert not stage_blocks(replace(staged, direct=True)) and not stage_blocks(replace(staged, block_m=32))
+    blocks = replace(staged, stage_blocks=True)
+    assert partial_splits(blocks, 3) == 6 and partial_splits(staged, 3) == 3
+    assert _grid(blocks, 10, 4, 3) == (4, 10, 6) and _grid(replace(blocks, split_inner=True), 10, 4, 3) == (4, 3, 20)
+    assert ("STAGE_BLOCKS", 1) in kernel_source(blocks, "moe_down_mma")[0]
+    assert "STAGE_BLOCKS" not in dict(kernel_source(staged, "moe_down_mma")[0])
+    assert not stage_blocks(replace(staged, stage_formats=())), "no stages"
+    assert not stage_blocks(replace(staged, block_m=128, ws=True)), "a warp-specialized block runs its own stages"
+    monkeypatch.setenv("EXL3MOE_MOE_STAGE_BLOCKS", "0")
+    assert not stage_blocks(staged)

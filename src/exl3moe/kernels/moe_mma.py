@@ -68,6 +68,7 @@ class MoeMmaPlan:
     split_inner: bool = False  # route-major grids with splits along y and route blocks along z (split_inner_grid)
     early_down: bool = False  # down launched while gate/up finishes (EARLY_LAUNCH; early_launch)
     early_gate_up: bool = False  # gate/up launched while the previous expert set's down finishes (EARLY_GATE_UP)
+    stage_blocks: bool = False  # the stages' passes in blocks of their own (STAGE_BLOCKS; stage_blocks)
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -208,7 +209,8 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
                        x_tma=not persistent and os.environ.get("EXL3MOE_MOE_X_TMA", "1") != "0",
                        ws_paired=not persistent and os.environ.get("EXL3MOE_MOE_WS_PAIRED", "1") != "0")
     early = early_launch(experts.device)
-    plan = replace(plan, split_inner=split_inner_grid(plan), early_down=not plan.ws_down and early,
+    plan = replace(plan, split_inner=split_inner_grid(plan), stage_blocks=stage_blocks(plan),
+                   early_down=not plan.ws_down and early,
                    early_gate_up=(early and after_down and not plan.pre_rotate and not plan.ws_gate_up
                                   and os.environ.get("EXL3MOE_MOE_EARLY_GATE_UP", "1") != "0"))
     gate_up = "moe_gate_up_ws" if plan.ws_gate_up else "moe_gate_up_mma"
@@ -226,6 +228,21 @@ def early_launch(device: torch.device) -> bool:
     early down only."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
             and os.environ.get("EXL3MOE_MOE_EARLY_DOWN", "1") != "0")
+
+
+def stage_blocks(plan: MoeMmaPlan) -> bool:
+    """Packed 16-row stage plans of more than SMALL_CALL_SLOTS slots run the stages' passes in blocks of their own,
+    after all the base's (z doubles), so that an expert with an active stage does not make the tail: the base's bytes
+    where no stage is active, base then stage partials summed in order where one is. Elsewhere the blocks that exit
+    for want of an active stage cost more than the balance gains (every block of a small call is in flight at once;
+    32-row grids). EXL3MOE_MOE_STAGE_BLOCKS=0 runs every block's base and stages in one accumulator."""
+    return (bool(plan.stage_formats) and plan.block_m == 16 and not plan.direct and not plan.small_call
+            and not plan.ws and os.environ.get("EXL3MOE_MOE_STAGE_BLOCKS", "1") != "0")
+
+
+def partial_splits(plan: MoeMmaPlan, splits: int) -> int:
+    """Partials per row of gate/up or down: the base's k splits, and as many again for the stages with stage_blocks."""
+    return 2 * splits if plan.stage_blocks else splits
 
 
 def split_inner_grid(plan: MoeMmaPlan) -> bool:
@@ -306,6 +323,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     defines += direct_down_defines(plan) if name == "moe_down_mma" else ()
     defines += (("SUH_PREFETCH", 1),) if suh_prefetch(plan) and gate_up else ()
     defines += (("SPLIT_INNER", 1),) if plan.split_inner else ()
+    defines += (("STAGE_BLOCKS", 1),) if plan.stage_blocks else ()
     early = plan.early_down or plan.early_gate_up
     defines += (("EARLY_LAUNCH", 1),) if early and name in ("moe_gate_up_mma", "moe_down_mma") else ()
     defines += (("EARLY_GATE_UP", 1),) if plan.early_gate_up and name == "moe_gate_up_mma" else ()
@@ -371,8 +389,9 @@ def _kernel(plan: MoeMmaPlan, name: str, device: torch.device):
 def workspace_numels(plan: MoeMmaPlan, capacity: int, max_blocks: int, hidden: int, inter: int) -> dict:
     """Elements of the fp32 partials of gate/up and down, the int32 arrival counters (zeroed once; kernels reset
     them) and the pre-rotated fp16 inputs."""
-    return {"gate_up_partial": 0 if plan.ws_gate_up else plan.gate_up_splits * 2 * capacity * inter,
-            "down_partial": 0 if plan.ws_down else plan.down_splits * capacity * hidden,
+    gate_up_partial = partial_splits(plan, plan.gate_up_splits) * 2 * capacity * inter
+    return {"gate_up_partial": 0 if plan.ws_gate_up else gate_up_partial,
+            "down_partial": 0 if plan.ws_down else partial_splits(plan, plan.down_splits) * capacity * hidden,
             "gate_up_counters": 0 if plan.ws_gate_up else max_blocks * (inter // 128),
             "down_counters": 0 if plan.ws_down else max_blocks * (hidden // 128),
             "x_rot": 2 * capacity * hidden if plan.pre_rotate else 0}
@@ -394,10 +413,12 @@ def moe_rotate_input(hidden, x_rot, route, top_k, tables, plan: MoeMmaPlan, grid
 
 def _grid(plan: MoeMmaPlan, route_blocks: int, column_blocks: int, splits: int) -> tuple:
     """Route-major: a route block's column blocks are consecutive blocks, so the GPU runs few formats at a time
-    (and with split_inner its splits too)."""
+    (and with split_inner its splits too). With stage_blocks z doubles: the stages' blocks follow all the base's."""
+    passes = 2 if plan.stage_blocks else 1
     if plan.split_inner:
-        return column_blocks, splits, route_blocks
-    return (column_blocks, route_blocks, splits) if plan.route_major else (route_blocks, column_blocks, splits)
+        return column_blocks, splits, passes * route_blocks
+    return (column_blocks, route_blocks, passes * splits) if plan.route_major else \
+        (route_blocks, column_blocks, passes * splits)
 
 
 def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, partial, counters, grid_blocks, capacity,

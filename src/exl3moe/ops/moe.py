@@ -142,8 +142,9 @@ class MoEPlan:
         self.slot_capacity = self.chunk_tokens * top_k
         cuda = nvrtc.available(self.device) and supported(experts, self.stage_max_k2)
         cuda_block_m = block_m or route_block_rows(self.slot_capacity, E, CUDA_MAX_BLOCK_M, 1.5)
-        # The CUDA experts' route blocks are grid rows (at most 65535).
-        cuda = cuda and route_pack_max_blocks(self.slot_capacity, E, cuda_block_m) <= MAX_GRID_ROWS
+        # The CUDA experts' route blocks are grid rows (at most 65535; half that beside stage blocks, stage_blocks).
+        rows = MAX_GRID_ROWS // 2 if self.stage_formats else MAX_GRID_ROWS
+        cuda = cuda and route_pack_max_blocks(self.slot_capacity, E, cuda_block_m) <= rows
         self.block_m = cuda_block_m if cuda else block_m or route_block_rows(self.slot_capacity, E)
         self.shared_block_m = route_block_rows(self.chunk_tokens, 1)
         order = format_order(experts)

@@ -35,11 +35,11 @@ __device__ __forceinline__ void store_activated(Gate&& gate, Up&& up, Suh&& down
 }
 
 // A direct route's gate/up arrival and epilogue (one row; pointers at the lane's column group), false for a block
-// that is not the last: its vectors are read before the arrival, then gate (warp 0) and up (warp 1) are summed and
-// finished at once, and warp 0 applies the activation and down's input rotation (not inlined: fewer registers for
-// the mainloop).
-__device__ __noinline__ bool finish_one_row(int* counter, int arrivals, const float* part, size_t up_offset,
-                                            size_t split_stride, int splits, const unsigned short* gate_svh,
+// that is not the last: its vectors are read before the arrival, then gate (warp 0, gate_splits partials) and up
+// (warp 1, up_splits) are summed and finished at once, and warp 0 applies the activation and down's input rotation
+// (not inlined: fewer registers for the mainloop).
+__device__ __noinline__ bool finish_one_row(int* counter, int gate_splits, int up_splits, const float* part,
+                                            size_t up_offset, size_t split_stride, const unsigned short* gate_svh,
                                             const unsigned short* up_svh, const unsigned short* down_suh,
                                             const float* gate_bias, const float* up_bias, int activation,
                                             int has_limit, float limit, unsigned short* h_rot) {
@@ -51,10 +51,10 @@ __device__ __noinline__ bool finish_one_row(int* counter, int arrivals, const fl
         load_biases(shift, warp ? up_bias : gate_bias);
         load_scales(suh, down_suh);
     }
-    if (!last_arrival(counter, arrivals)) return false;
+    if (!last_arrival(counter, gate_splits + up_splits)) return false;
     if (warp < 2) {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
-        add_splits<SPLIT_BATCH, true>(v, part + warp * up_offset, split_stride, splits);
+        add_splits<SPLIT_BATCH, true>(v, part + warp * up_offset, split_stride, warp ? up_splits : gate_splits);
         hadamard128_warp(v, lane);
 #pragma unroll
         for (int j = 0; j < 4; j++) done[warp][4 * lane + j] = finished(v[j], svh[j], shift[j]);

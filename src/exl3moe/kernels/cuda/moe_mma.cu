@@ -8,6 +8,7 @@
 // scale; the last of the 2 x splits arrivals applies both output Hadamards, svh and bias, the activation,
 // down's suh and input Hadamard, and stores h_rot[pos] fp16.
 // down: grid (route block, H / 128, splits); the last arrival writes y[slot] = Hn(sum) * svh + bias, fp32.
+// STAGE_BLOCKS (moe_route.cuh): the stages' passes in blocks of their own, a second half of each grid's z.
 // WS (sm_90a, 128-row route blocks, pre-rotated inputs, WARPS 24): a module of gate/up alone, its mainloop
 // warp-specialized on trellis_ws.cuh with producers decoding through the prelude's WS_PRODUCE_GATE_UP switch; the
 // epilogue is the same. Parts: moe_route.cuh, moe_ws_items.cuh, moe_rotate.cuh, moe_epilogue.cuh, moe_ws_kernels.cuh.
@@ -61,8 +62,10 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const int proj = column & 1, cblock = column >> 1;
     const int index = proj * num_experts + expert;
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[index]);
-    const int split = split_index(), kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
+    const SplitPass sp = split_pass(splits);
+    const int kt0 = sp.split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
     const size_t split_stride = (size_t)2 * capacity * inter;
+    if (sp.stages && !stage_active(index, 3 * num_experts, num_stages, stage_scale)) return;   // nothing to add
 #if !WS && !PRE_ROTATED && SUH_PREFETCH
     // The input scales of the block's k range, asked of L2 before the weights: every chunk's staging reads them.
     if (warp == 0) prefetch_l2_lines(suh + kt0 * 16, (kt1 - kt0) * 16 * 2, lane);
@@ -78,8 +81,9 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 [&](const u32* words, int key, u32 cursor) { WS_PRODUCE_GATE_UP(words, key, cursor) },
                 [&](const WsAcc& acc, int row0) {
                     if (row0 < nrows)
-                        store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start + row0) *
-                                       inter, inter, nrows - row0, cblock * 8);
+                        store_partials(acc, part + sp.partial * split_stride +
+                                       ((size_t)proj * capacity + start + row0) * inter, inter, nrows - row0,
+                                       cblock * 8);
                 });
     ws_trace(100);
     ws_trace_print();
@@ -117,18 +121,23 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     TRACE_MARK(0);
 #if UNION_STAGES
     run_passes(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
-               3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
-               [&](const u32* words, int key) { DISPATCH_GATE_UP(acc, words, key) });
+               3 * num_experts, STAGE_BLOCKS && !sp.stages ? 0 : num_stages, stage_addr, stage_k2, stage_codebook,
+               stage_scale, [&](const u32* words, int key) { DISPATCH_GATE_UP(acc, words, key) }, sp.stages ? 0 : -1);
 #else
-    DISPATCH_GATE_UP(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
-    add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
-               [&](const u32* words, int key) { STAGE_DISPATCH_GATE_UP(acc, words, key) });
+    if (!sp.stages)
+        DISPATCH_GATE_UP(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
+    if (!STAGE_BLOCKS || sp.stages)
+        add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+                   [&](const u32* words, int key) { STAGE_DISPATCH_GATE_UP(acc, words, key) });
 #endif
-    store_partials(acc, part + split * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows, jt0);
+    store_partials(acc, part + sp.partial * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows,
+                   jt0);
 #endif
     TRACE_MARK(2);
+    const int gate_splits = summed_splits(splits, expert, 3 * num_experts, num_stages, stage_scale);
+    const int up_splits = summed_splits(splits, num_experts + expert, 3 * num_experts, num_stages, stage_scale);
 #if !DIRECT_ROUTE   // a direct route's arrival is in finish_one_row, after its vectors are read
-    if (!last_arrival(counters + b * (inter / 128) + cblock, 2 * splits)) {
+    if (!last_arrival(counters + b * (inter / 128) + cblock, gate_splits + up_splits)) {
         TRACE_MARK(3);
         TRACE_PRINT(1);
         return;
@@ -143,10 +152,11 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const float* gate_bias = bias != nullptr ? bias + (size_t)expert * inter : nullptr;
     const float* up_bias = bias != nullptr ? bias + ((size_t)num_experts + expert) * inter : nullptr;
 #if DIRECT_ROUTE
-    if (!finish_one_row(counters + b * (inter / 128) + cblock, 2 * splits, part + (size_t)start * inter + c,
-                        (size_t)capacity * inter, split_stride, splits, gate_svh + c, up_svh + c, down_suh + c,
-                        gate_bias ? gate_bias + c : nullptr, up_bias ? up_bias + c : nullptr, activation, has_limit,
-                        limit, h_rot + (size_t)start * inter + c)) {
+    if (!finish_one_row(counters + b * (inter / 128) + cblock, gate_splits, up_splits,
+                        part + (size_t)start * inter + c, (size_t)capacity * inter, split_stride, gate_svh + c,
+                        up_svh + c, down_suh + c, gate_bias ? gate_bias + c : nullptr,
+                        up_bias ? up_bias + c : nullptr, activation, has_limit, limit,
+                        h_rot + (size_t)start * inter + c)) {
         TRACE_PRINT(1);
         return;
     }
@@ -161,8 +171,8 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
 #endif
     for (int r = warp; r < nrows; r += WARPS) {
         float g[4] = {0.f, 0.f, 0.f, 0.f}, u[4] = {0.f, 0.f, 0.f, 0.f};
-        add_splits<SPLIT_BATCH, true>(g, part + (size_t)(start + r) * inter + c, split_stride, splits);
-        add_splits<SPLIT_BATCH, true>(u, part + ((size_t)capacity + start + r) * inter + c, split_stride, splits);
+        add_splits<SPLIT_BATCH, true>(g, part + (size_t)(start + r) * inter + c, split_stride, gate_splits);
+        add_splits<SPLIT_BATCH, true>(u, part + ((size_t)capacity + start + r) * inter + c, split_stride, up_splits);
         hadamard128_warp(g, lane);
         hadamard128_warp(u, lane);
 #if PACKED_EPILOGUE_AHEAD
@@ -206,7 +216,8 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
 #if DIRECT_ROUTE
         // A slot of an expert that lives elsewhere still counts towards its token's combine.
         wait_for_prerequisite_grid();
-        if (split_index() == 0) combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
+        if (split_index() == 0 && !stage_pass())
+            combine_token(combine, b / combine.top_k, cblock, y, hidden, num_experts);
 #else
         // Block 0 waits even without rows, so that down never completes before gate/up (the stream's next kernels
         // wait for down alone), even in a call whose every id lives elsewhere.
@@ -216,8 +227,14 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int index = 2 * num_experts + expert;
-    const int split = split_index(), kt0 = split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
+    const SplitPass sp = split_pass(splits);
+    const int kt0 = sp.split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
     const size_t split_stride = (size_t)capacity * hidden;
+    if (sp.stages && !stage_active(index, 3 * num_experts, num_stages, stage_scale)) {
+        // No active stage: nothing to add. Block 0 still waits, as a block without rows does.
+        if (blockIdx.x + blockIdx.y + blockIdx.z == 0) wait_for_prerequisite_grid();
+        return;
+    }
     const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 
     auto stage = [&](int c0) {   // h_rot rows: rotated input, once gate/up has written them
@@ -230,15 +247,18 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     TRACE_MARK(0);
 #if UNION_STAGES
     run_passes(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
-               3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
-               [&](const u32* words, int key) { DISPATCH_DOWN(acc, words, key) });
+               3 * num_experts, STAGE_BLOCKS && !sp.stages ? 0 : num_stages, stage_addr, stage_k2, stage_codebook,
+               stage_scale, [&](const u32* words, int key) { DISPATCH_DOWN(acc, words, key) }, sp.stages ? 0 : -1);
 #else
-    DISPATCH_DOWN(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
-    add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
-               [&](const u32* words, int key) { STAGE_DISPATCH_DOWN(acc, words, key) });
+    if (!sp.stages)
+        DISPATCH_DOWN(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
+    if (!STAGE_BLOCKS || sp.stages)
+        add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+                   [&](const u32* words, int key) { STAGE_DISPATCH_DOWN(acc, words, key) });
 #endif
-    store_partials(acc, part + split * split_stride + (size_t)start * hidden, hidden, nrows, jt0);
+    store_partials(acc, part + sp.partial * split_stride + (size_t)start * hidden, hidden, nrows, jt0);
     TRACE_MARK(2);
+    const int down_splits = summed_splits(splits, index, 3 * num_experts, num_stages, stage_scale);
 #if DIRECT_ROUTE
     // A direct route's one row: its vectors are read before the arrival, its token's combine inputs before the
     // combine's.
@@ -246,13 +266,13 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     float scale[4], shift[4];
     load_scales(scale, reinterpret_cast<const unsigned short*>(svh_addr[index]) + c);
     load_biases(shift, bias != nullptr ? bias + (size_t)expert * hidden + c : nullptr);
-    if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) {
+    if (!last_arrival(counters + b * (hidden / 128) + cblock, down_splits)) {
         TRACE_PRINT(2);
         return;
     }
     if (warp == 0) {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
-        add_splits<SPLIT_BATCH, true>(v, part + (size_t)start * hidden + c, split_stride, splits);
+        add_splits<SPLIT_BATCH, true>(v, part + (size_t)start * hidden + c, split_stride, down_splits);
         hadamard128_warp(v, lane);
 #pragma unroll
         for (int j = 0; j < 4; j++) y[(size_t)start * hidden + c + j] = v[j] * INV_SQRT_128 * scale[j] + shift[j];
@@ -260,7 +280,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     TRACE_MARK(4);
     combine_token(combine, token, cblock, y, hidden, num_experts);
 #else
-    if (!last_arrival(counters + b * (hidden / 128) + cblock, splits)) {
+    if (!last_arrival(counters + b * (hidden / 128) + cblock, down_splits)) {
         TRACE_MARK(3);
         TRACE_PRINT(2);
         return;
@@ -277,7 +297,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
 #endif
     for (int r = warp; r < nrows; r += WARPS) {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
-        add_splits<SPLIT_BATCH, true>(v, part + (size_t)(start + r) * hidden + c, split_stride, splits);
+        add_splits<SPLIT_BATCH, true>(v, part + (size_t)(start + r) * hidden + c, split_stride, down_splits);
         hadamard128_warp(v, lane);
         const size_t slot = slot_at(sorted_slots, start + r);
 #pragma unroll

@@ -28,11 +28,43 @@ __device__ __forceinline__ float activate(float g, float u, int activation, int 
 #define SPLIT_INNER 0   // 1 (route-major grids): splits along y and route blocks along z, so a route block runs at once
 #endif
 static_assert(!SPLIT_INNER || ROUTE_MAJOR, "splits go inside the route blocks of a route-major grid");
+#ifndef STAGE_BLOCKS
+#define STAGE_BLOCKS 0   // 1: the stages' passes in blocks of their own, after every base block along the grid's z
+#endif
+static_assert(!(WS && STAGE_BLOCKS), "a warp-specialized block runs its stages' passes itself");
+// Whether the block runs the stages' passes: the second half of z (z is route blocks with SPLIT_INNER, else splits).
+__device__ __forceinline__ bool stage_pass() { return STAGE_BLOCKS && blockIdx.z >= gridDim.z / 2; }
+__device__ __forceinline__ int base_z() { return blockIdx.z - (stage_pass() ? gridDim.z / 2 : 0); }
 __device__ __forceinline__ int route_block_index() {
-    return SPLIT_INNER ? blockIdx.z : ROUTE_MAJOR ? blockIdx.y : blockIdx.x;
+    return SPLIT_INNER ? base_z() : ROUTE_MAJOR ? blockIdx.y : blockIdx.x;
 }
 __device__ __forceinline__ int column_block_index() { return ROUTE_MAJOR ? blockIdx.x : blockIdx.y; }
-__device__ __forceinline__ int split_index() { return SPLIT_INNER ? blockIdx.y : blockIdx.z; }
+__device__ __forceinline__ int split_index() { return SPLIT_INNER ? blockIdx.y : base_z(); }
+
+// Whether any stage has a nonzero scale at index (its projection's residual work runs).
+__device__ __forceinline__ bool stage_active(int index, int stride, int num_stages, const float* __restrict__ scale) {
+    for (int s = 0; s < num_stages; s++)
+        if (scale[s * stride + index] != 0.f) return true;
+    return false;
+}
+
+// A block's k split and pass: with STAGE_BLOCKS the stage passes run after the base's blocks (where no stage is
+// active they exit at once, in the base's tail) and store their partials after the base's, so the last arrival sums
+// base then stages in order.
+struct SplitPass {
+    int split, partial;   // k split, and the partial slot it stores
+    bool stages;          // runs the stages' passes (else the base)
+};
+__device__ __forceinline__ SplitPass split_pass(int splits) {
+    const int split = split_index();
+    return stage_pass() ? SplitPass{split, splits + split, true} : SplitPass{split, split, false};
+}
+
+// Partials the last arrival sums for projection index: the base's splits, and as many again where a stage is active.
+__device__ __forceinline__ int summed_splits(int splits, int index, int stride, int num_stages,
+                                             const float* __restrict__ scale) {
+    return STAGE_BLOCKS && stage_active(index, stride, num_stages, scale) ? 2 * splits : splits;
+}
 
 // Expert, first sorted position and row count (<= BLOCK_M) of route block b; false for an unused block.
 // DIRECT_ROUTE: block b is flat slot b alone (one row at position b) and `block_expert` holds topk_ids (int64
@@ -213,12 +245,13 @@ __device__ __forceinline__ void add_stages(Acc& acc, int index, int stride, int 
 
 // The base trellis, then add_stages' sums, as passes of one loop through run(words, key): one mainloop per format
 // of the union of the base and stage formats instead of one per format of each (fewer registers, less code).
+// Passes from `first` (-1 the base, 0 the first stage) up to num_stages.
 template <class Acc, class Run>
 __device__ __forceinline__ void run_passes(Acc& acc, const u32* base_words, int base_key, int index, int stride,
                                            int num_stages, const long long* __restrict__ addr,
                                            const int* __restrict__ k2, const int* __restrict__ codebook,
-                                           const float* __restrict__ scale, Run&& run) {
-    for (int s = -1; s < num_stages; s++) {
+                                           const float* __restrict__ scale, Run&& run, int first = -1) {
+    for (int s = first; s < num_stages; s++) {
         const u32* words = base_words;
         int key = base_key;
         float f = 1.f;
