@@ -576,3 +576,19 @@ def test_few_column_groups_leave_their_split_reduction_to_reduce_splits(monkeypa
     for (mt, cluster, groups), expected in planned.items():
         wanted = {None: expected, "0": False, "1": not cluster}[env]
         assert tm.mma_defers_reduce(mt, cluster, groups, 132) == wanted, (mt, cluster, groups)
+
+
+def test_stage_plans_keep_their_doubled_grid_rows_within_the_limit(launches):
+    """Stage blocks double a packed plan's grid rows (route blocks along z): a stage plan whose route blocks pass half
+    the grid limit takes the Triton experts, the same plan without stages keeps the CUDA ones."""
+    from exl3moe.kernels.moe_mma import MAX_GRID_ROWS
+    from exl3moe.kernels.route_pack import route_pack_max_blocks
+
+    g = torch.Generator().manual_seed(5)
+    experts = random_experts(8, 256, 256, K=4, codebook="mcg", generator=g)
+    stage = random_stage(experts, torch.rand(8, 3, generator=g), K=2, codebook="mcg", generator=g)
+    staged = type(experts)(experts.gate, experts.up, experts.down, "silu", None, [stage], "experts")
+    slots = 16 * 40000
+    assert MAX_GRID_ROWS // 2 < route_pack_max_blocks(slots, 8, 16) <= MAX_GRID_ROWS
+    assert moe_plan(experts, slots // 2, 2, slot_capacity=slots, block_m=16).mma is not None
+    assert moe_plan(staged, slots // 2, 2, slot_capacity=slots, block_m=16).mma is None
