@@ -592,3 +592,26 @@ def test_stage_plans_keep_their_doubled_grid_rows_within_the_limit(launches):
     assert MAX_GRID_ROWS // 2 < route_pack_max_blocks(slots, 8, 16) <= MAX_GRID_ROWS
     assert moe_plan(experts, slots // 2, 2, slot_capacity=slots, block_m=16).mma is not None
     assert moe_plan(staged, slots // 2, 2, slot_capacity=slots, block_m=16).mma is None
+
+
+def test_stage_block_plans_order_route_blocks_with_active_stages_first(launches):
+    """A plan with stage blocks lists the experts that have a nonzero stage scale first in its route-block order
+    (stably), and rewrites that order in place when its stages are swapped."""
+    g = torch.Generator().manual_seed(6)
+    experts = random_experts(8, 256, 256, K=4, codebook="mcg", generator=g)
+    scales = torch.zeros(8, 3)
+    scales[[2, 5], 1] = 0.5
+    staged = type(experts)(experts.gate, experts.up, experts.down, "silu", None,
+                           [random_stage(experts, scales, K=2, codebook="mcg", generator=g)], "experts")
+    plan = moe_plan(staged, 20, 2, block_m=16)
+    assert plan.mma.stage_blocks
+    order = plan.expert_order
+    assert order.tolist() == [2, 5, 0, 1, 3, 4, 6, 7]
+    other = scales.clone()
+    other[:] = 0
+    other[7, 2] = 0.25
+    plan.load_stages([random_stage(experts, other, K=2, codebook="mcg", generator=g)])
+    assert plan.expert_order is order and order.tolist() == [7, 0, 1, 2, 3, 4, 5, 6]
+    plan.load_stages([])
+    assert order.tolist() == list(range(8))
+    assert moe_plan(experts, 20, 2, block_m=16).expert_order is None, "a uniform layer without stages keeps none"

@@ -26,6 +26,7 @@ sizes.
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import torch
@@ -90,6 +91,18 @@ def format_order(experts: ExpertSet) -> list | None:
     return sorted(range(experts.num_experts), key=keys.__getitem__) if len(set(keys)) > 1 else None
 
 
+def staged_first(experts: ExpertSet, order: list | None) -> list:
+    """`order` (or 0..E-1) with the experts that have a nonzero stage scale moved first, stably: a plan with stage
+    blocks then runs their stage blocks ahead of those that exit (EXL3MOE_MOE_STAGED_FIRST=0 keeps `order`)."""
+    order = list(range(experts.num_experts)) if order is None else order
+    if os.environ.get("EXL3MOE_MOE_STAGED_FIRST", "1") == "0":
+        return order
+    active = torch.zeros(experts.num_experts, dtype=torch.bool)
+    for stage in experts.stages:
+        active |= (stage.scales.detach().cpu() != 0).any(1)
+    return sorted(order, key=lambda e: not bool(active[e]))
+
+
 def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreting()
 
@@ -148,7 +161,6 @@ class MoEPlan:
         self.block_m = cuda_block_m if cuda else block_m or route_block_rows(self.slot_capacity, E)
         self.shared_block_m = route_block_rows(self.chunk_tokens, 1)
         order = format_order(experts)
-        self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
         self.decode_k = decode_k or (INTERPRET_DECODE_K if interpreting() else GPU_DECODE_K)
         H, I, S = experts.hidden_size, experts.intermediate_size, self.slot_capacity
         self.gate_up_splits = gate_up_splits(max_tokens * top_k, E, H, I)
@@ -166,6 +178,9 @@ class MoEPlan:
         # A direct plan runs the shared expert first, so its gate/up follows the shared down.
         self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_formats, direct,
                                 after_down=direct and shared_cuda) if cuda else None
+        if self.mma is not None and self.mma.stage_blocks:   # an order to rewrite when the stages change
+            order = staged_first(experts, order)
+        self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
         if self.mma is not None:
             # A direct plan's blocks are its slots (more than max_blocks when E < S).
             self._layout += _mma_layout("mma_", self.mma, S, max(S, max_blocks) if direct else max_blocks, H, I)
@@ -256,6 +271,8 @@ class MoEPlan:
         for field in ("stage_addr", "stage_k2", "stage_codebook", "stage_scale", "bias_gate_up", "bias_down"):
             if getattr(t, field) is not None:
                 getattr(t, field).copy_(getattr(new, field))
+        if self.mma is not None and self.mma.stage_blocks:
+            self.expert_order.copy_(torch.tensor(staged_first(swapped, format_order(base)), dtype=torch.int32))
         self.experts = swapped
 
 
