@@ -594,9 +594,9 @@ def test_stage_plans_keep_their_doubled_grid_rows_within_the_limit(launches):
     assert moe_plan(staged, slots // 2, 2, slot_capacity=slots, block_m=16).mma is None
 
 
-def test_stage_block_plans_order_route_blocks_with_active_stages_first(launches):
-    """A plan with stage blocks lists the experts that have a nonzero stage scale first in its route-block order
-    (stably), and rewrites that order in place when its stages are swapped."""
+def test_stage_plans_order_route_blocks_with_active_stages_first(launches, monkeypatch):
+    """A route-packed mma.sync plan of stages lists the experts that have a nonzero stage scale first in its
+    route-block order (stably), and rewrites that order in place when its stages are swapped."""
     g = torch.Generator().manual_seed(6)
     experts = random_experts(8, 256, 256, K=4, codebook="mcg", generator=g)
     scales = torch.zeros(8, 3)
@@ -615,3 +615,9 @@ def test_stage_block_plans_order_route_blocks_with_active_stages_first(launches)
     plan.load_stages([])
     assert order.tolist() == list(range(8))
     assert moe_plan(experts, 20, 2, block_m=16).expert_order is None, "a uniform layer without stages keeps none"
+    one_accumulator = moe_plan(staged, 20, 2, block_m=32)   # long blocks (base then stage) start first
+    assert not one_accumulator.mma.stage_blocks and one_accumulator.expert_order.tolist()[:2] == [2, 5]
+    assert moe_plan(staged, 1, 2).mma.direct and moe_plan(staged, 1, 2).expert_order is None, "no route pack"
+    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
+    ws = moe_plan(staged, 200, 2, block_m=128)
+    assert ws.mma.ws and ws.expert_order is None, "warp-specialized plans keep their order"

@@ -92,8 +92,10 @@ def format_order(experts: ExpertSet) -> list | None:
 
 
 def staged_first(experts: ExpertSet, order: list | None) -> list:
-    """`order` (or 0..E-1) with the experts that have a nonzero stage scale moved first, stably: a plan with stage
-    blocks then runs their stage blocks ahead of those that exit (EXL3MOE_MOE_STAGED_FIRST=0 keeps `order`)."""
+    """`order` (or 0..E-1) with the experts that have a nonzero stage scale moved first, stably. Route blocks that run
+    base and stages one after the other are the long ones, so they start first; with stage blocks, the stage half of
+    the grid starts with the blocks that work and ends with those that exit. EXL3MOE_MOE_STAGED_FIRST=0 keeps
+    `order`."""
     order = list(range(experts.num_experts)) if order is None else order
     if os.environ.get("EXL3MOE_MOE_STAGED_FIRST", "1") == "0":
         return order
@@ -178,7 +180,10 @@ class MoEPlan:
         # A direct plan runs the shared expert first, so its gate/up follows the shared down.
         self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_formats, direct,
                                 after_down=direct and shared_cuda) if cuda else None
-        if self.mma is not None and self.mma.stage_blocks:   # an order to rewrite when the stages change
+        # Route-packed mma.sync plans of stages keep the experts with an active stage first (staged_first).
+        self.staged_order = (self.mma is not None and not self.mma.direct and not self.mma.ws
+                             and bool(self.stage_formats))
+        if self.staged_order:   # an order to rewrite when the stages change
             order = staged_first(experts, order)
         self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
         if self.mma is not None:
@@ -271,7 +276,7 @@ class MoEPlan:
         for field in ("stage_addr", "stage_k2", "stage_codebook", "stage_scale", "bias_gate_up", "bias_down"):
             if getattr(t, field) is not None:
                 getattr(t, field).copy_(getattr(new, field))
-        if self.mma is not None and self.mma.stage_blocks:
+        if self.staged_order:
             self.expert_order.copy_(torch.tensor(staged_first(swapped, format_order(base)), dtype=torch.int32))
         self.experts = swapped
 
