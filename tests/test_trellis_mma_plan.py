@@ -289,3 +289,14 @@ def test_stage_plans_on_mma_sync_run_their_stages_in_blocks_of_their_own(monkeyp
     assert not stage_blocks(replace(staged, block_m=128, ws=True)), "a warp-specialized block runs its own stages"
     monkeypatch.setenv("EXL3MOE_MOE_STAGE_BLOCKS", "0")
     assert not stage_blocks(staged)
+
+
+def test_direct_stage_plans_read_the_first_stage_scale_ahead(monkeypatch):
+    from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, scale_ahead
+
+    direct = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((4, 1),), 8, 16, 6, 8, False, True)
+    assert scale_ahead(direct) and ("SCALE_AHEAD", 1) in kernel_source(direct, "moe_gate_up_mma")[0]
+    assert not scale_ahead(replace(direct, stage_formats=())), "no stages"
+    assert not scale_ahead(replace(direct, direct=False)), "packed plans read it after the base"
+    monkeypatch.setenv("EXL3MOE_MOE_SCALE_AHEAD", "0")
+    assert not scale_ahead(direct)

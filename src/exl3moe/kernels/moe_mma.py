@@ -240,6 +240,13 @@ def stage_blocks(plan: MoeMmaPlan) -> bool:
             and not plan.ws and os.environ.get("EXL3MOE_MOE_STAGE_BLOCKS", "1") != "0")
 
 
+def scale_ahead(plan: MoeMmaPlan) -> bool:
+    """Direct stage plans read the first stage's scale at each block's start (SCALE_AHEAD), not after the base's
+    mainloop. In packed plans the extra register cost them more than the wait; EXL3MOE_MOE_SCALE_AHEAD=0 keeps the
+    late read everywhere."""
+    return bool(plan.stage_formats) and plan.direct and os.environ.get("EXL3MOE_MOE_SCALE_AHEAD", "1") != "0"
+
+
 def partial_splits(plan: MoeMmaPlan, splits: int) -> int:
     """Partials per row of gate/up or down: the base's k splits, and as many again for the stages with stage_blocks."""
     return 2 * splits if plan.stage_blocks else splits
@@ -324,6 +331,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     defines += (("SUH_PREFETCH", 1),) if suh_prefetch(plan) and gate_up else ()
     defines += (("SPLIT_INNER", 1),) if plan.split_inner else ()
     defines += (("STAGE_BLOCKS", 1),) if plan.stage_blocks else ()
+    defines += (("SCALE_AHEAD", 1),) if scale_ahead(plan) else ()
     early = plan.early_down or plan.early_gate_up
     defines += (("EARLY_LAUNCH", 1),) if early and name in ("moe_gate_up_mma", "moe_down_mma") else ()
     defines += (("EARLY_GATE_UP", 1),) if plan.early_gate_up and name == "moe_gate_up_mma" else ()

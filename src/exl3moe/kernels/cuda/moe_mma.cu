@@ -62,6 +62,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const int proj = column & 1, cblock = column >> 1;
     const int index = proj * num_experts + expert;
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[index]);
+    const float scale0 = first_stage_scale(num_stages, index, stage_scale);
     const SplitPass sp = split_pass(splits);
     const int kt0 = sp.split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
     const size_t split_stride = (size_t)2 * capacity * inter;
@@ -122,12 +123,13 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
 #if UNION_STAGES
     run_passes(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
                3 * num_experts, STAGE_BLOCKS && !sp.stages ? 0 : num_stages, stage_addr, stage_k2, stage_codebook,
-               stage_scale, [&](const u32* words, int key) { DISPATCH_GATE_UP(acc, words, key) }, sp.stages ? 0 : -1);
+               stage_scale, scale0, [&](const u32* words, int key) { DISPATCH_GATE_UP(acc, words, key) },
+               sp.stages ? 0 : -1);
 #else
     if (!sp.stages)
         DISPATCH_GATE_UP(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     if (!STAGE_BLOCKS || sp.stages)
-        add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+        add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale, scale0,
                    [&](const u32* words, int key) { STAGE_DISPATCH_GATE_UP(acc, words, key) });
 #endif
     store_partials(acc, part + sp.partial * split_stride + ((size_t)proj * capacity + start) * inter, inter, nrows,
@@ -227,6 +229,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     }
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int index = 2 * num_experts + expert;
+    const float scale0 = first_stage_scale(num_stages, index, stage_scale);
     const SplitPass sp = split_pass(splits);
     const int kt0 = sp.split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
     const size_t split_stride = (size_t)capacity * hidden;
@@ -248,12 +251,13 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
 #if UNION_STAGES
     run_passes(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index], index,
                3 * num_experts, STAGE_BLOCKS && !sp.stages ? 0 : num_stages, stage_addr, stage_k2, stage_codebook,
-               stage_scale, [&](const u32* words, int key) { DISPATCH_DOWN(acc, words, key) }, sp.stages ? 0 : -1);
+               stage_scale, scale0, [&](const u32* words, int key) { DISPATCH_DOWN(acc, words, key) },
+               sp.stages ? 0 : -1);
 #else
     if (!sp.stages)
         DISPATCH_DOWN(acc, reinterpret_cast<const u32*>(trellis_addr[index]), k2[index] * 4 + codebook[index])
     if (!STAGE_BLOCKS || sp.stages)
-        add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale,
+        add_stages(acc, index, 3 * num_experts, num_stages, stage_addr, stage_k2, stage_codebook, stage_scale, scale0,
                    [&](const u32* words, int key) { STAGE_DISPATCH_DOWN(acc, words, key) });
 #endif
     store_partials(acc, part + sp.partial * split_stride + (size_t)start * hidden, hidden, nrows, jt0);

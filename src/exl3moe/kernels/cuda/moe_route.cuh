@@ -222,16 +222,25 @@ __device__ __forceinline__ void combine_token(const Combine& cb, int token, int 
     else reinterpret_cast<unsigned short*>(cb.out)[o] = float_to_half(acc);
 }
 
+#ifndef SCALE_AHEAD
+#define SCALE_AHEAD 0   // 1 (stage plans): the first stage's scale is read at the block's start (first_stage_scale)
+#endif
+// scale[index], the first stage's scale, read before the base's mainloop so that no block waits for it after.
+__device__ __forceinline__ float first_stage_scale(int num_stages, int index, const float* __restrict__ scale) {
+    return SCALE_AHEAD && num_stages > 0 ? __ldg(scale + index) : 0.f;
+}
+
 // acc += scale x (xs @ R) for each stage with a nonzero scale at index + s x stride, computed as
-// scale x (acc / scale + xs @ R) so no second accumulator is live; run(words, key) runs one mainloop.
+// scale x (acc / scale + xs @ R) so no second accumulator is live; run(words, key) runs one mainloop. scale0: the
+// first stage's scale (first_stage_scale).
 template <class Acc, class Run>
 __device__ __forceinline__ void add_stages(Acc& acc, int index, int stride, int num_stages,
                                            const long long* __restrict__ addr, const int* __restrict__ k2,
                                            const int* __restrict__ codebook, const float* __restrict__ scale,
-                                           Run&& run) {
+                                           float scale0, Run&& run) {
     for (int s = 0; s < num_stages; s++) {
         const int i = s * stride + index;
-        const float f = scale[i];
+        const float f = SCALE_AHEAD && s == 0 ? scale0 : scale[i];
         if (f == 0.f) continue;
         scale_acc(acc, 1.f / f);
         run(reinterpret_cast<const u32*>(addr[i]), k2[i] * 4 + codebook[i]);
@@ -250,14 +259,15 @@ template <class Acc, class Run>
 __device__ __forceinline__ void run_passes(Acc& acc, const u32* base_words, int base_key, int index, int stride,
                                            int num_stages, const long long* __restrict__ addr,
                                            const int* __restrict__ k2, const int* __restrict__ codebook,
-                                           const float* __restrict__ scale, Run&& run, int first = -1) {
+                                           const float* __restrict__ scale, float scale0, Run&& run,
+                                           int first = -1) {
     for (int s = first; s < num_stages; s++) {
         const u32* words = base_words;
         int key = base_key;
         float f = 1.f;
         if (s >= 0) {
             const int i = s * stride + index;
-            f = scale[i];
+            f = SCALE_AHEAD && s == 0 ? scale0 : scale[i];
             if (f == 0.f) continue;
             words = reinterpret_cast<const u32*>(addr[i]);
             key = k2[i] * 4 + codebook[i];
