@@ -91,18 +91,16 @@ def format_order(experts: ExpertSet) -> list | None:
     return sorted(range(experts.num_experts), key=keys.__getitem__) if len(set(keys)) > 1 else None
 
 
-def staged_first(experts: ExpertSet, order: list | None) -> list:
-    """`order` (or 0..E-1) with the experts that have a nonzero stage scale moved first, stably. Route blocks that run
-    base and stages one after the other are the long ones, so they start first; with stage blocks, the stage half of
-    the grid starts with the blocks that work and ends with those that exit. EXL3MOE_MOE_STAGED_FIRST=0 keeps
-    `order`."""
-    order = list(range(experts.num_experts)) if order is None else order
+def staged_first(stage_scale: torch.Tensor, order: list | None) -> list:
+    """`order` (or 0..E-1) with the experts that have a nonzero scale in the stage table (float32 [S, 3, E], as the
+    kernels read it) moved first, stably. Route blocks that run base and stages one after the other are the long
+    ones, so they start first; with stage blocks, the stage half of the grid starts with the blocks that work and ends
+    with those that exit. EXL3MOE_MOE_STAGED_FIRST=0 keeps `order`."""
+    active = (stage_scale.detach().cpu() != 0).flatten(0, 1).any(0).tolist()
+    order = list(range(len(active))) if order is None else order
     if os.environ.get("EXL3MOE_MOE_STAGED_FIRST", "1") == "0":
         return order
-    active = torch.zeros(experts.num_experts, dtype=torch.bool)
-    for stage in experts.stages:
-        active |= (stage.scales.detach().cpu() != 0).any(1)
-    return sorted(order, key=lambda e: not bool(active[e]))
+    return sorted(order, key=lambda e: not active[e])
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -184,7 +182,7 @@ class MoEPlan:
         self.staged_order = (self.mma is not None and not self.mma.direct and not self.mma.ws
                              and bool(self.stage_formats))
         if self.staged_order:   # an order to rewrite when the stages change
-            order = staged_first(experts, order)
+            order = staged_first(self.tables.stage_scale, order)
         self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
         if self.mma is not None:
             # A direct plan's blocks are its slots (more than max_blocks when E < S).
@@ -277,7 +275,7 @@ class MoEPlan:
             if getattr(t, field) is not None:
                 getattr(t, field).copy_(getattr(new, field))
         if self.staged_order:
-            self.expert_order.copy_(torch.tensor(staged_first(swapped, format_order(base)), dtype=torch.int32))
+            self.expert_order.copy_(torch.tensor(staged_first(t.stage_scale, format_order(base)), dtype=torch.int32))
         self.experts = swapped
 
 
