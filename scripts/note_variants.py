@@ -34,7 +34,7 @@ def pretend_sm90() -> None:
     trellis_mma.clusters_on = lambda device: True
     trellis_mma.chain_capable = lambda device: True
     linear_ops.uses_ws = lambda rows, k, n, device: rows >= (32 if k * n < (1 << 24) else 64)
-    moe_mma.uses_ws = lambda block_m, device: block_m == 128
+    moe_mma.uses_ws = lambda block_m, device: block_m in (128, moe_mma.WIDE_BLOCK_M)
     moe_mma.early_launch = lambda device: os.environ.get("EXL3MOE_MOE_EARLY_DOWN", "1") != "0"
     nvrtc.sm_count = lambda device: 132
 

@@ -48,7 +48,8 @@ def launches(monkeypatch):
                                                                                                   args, early)))
     monkeypatch.setattr(nvrtc, "local_bytes", lambda func: 0)
     monkeypatch.setattr(nvrtc, "x_tensor_map",
-                        lambda x, rows, cols, stride=None: ("map", x.data_ptr(), rows, cols, stride or cols))
+                        lambda x, rows, cols, stride=None, box_rows=128: ("map", x.data_ptr(), rows, cols,
+                                                                          stride or cols, box_rows))
     return recorded
 
 
@@ -190,8 +191,9 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
     assert mma.x_tma == (persistent_gate_up == "0" or not single_split), "TMA x beside the persistent gate/up: no"
     capacity = plan.slot_capacity
     maps = {func[1]: args[-1] for func, _, _, args, _ in launches if kind(args[-1]) == "map"}
-    expected = {"moe_gate_up_mma": ("map", runner._ws["mma_x_rot"].data_ptr(), 2 * capacity, 256, 256)}
-    expected.update({"moe_down_ws": ("map", runner._ws["h_rot"].data_ptr(), capacity, 384, 384)} if mma.ws_down else {})
+    expected = {"moe_gate_up_mma": ("map", runner._ws["mma_x_rot"].data_ptr(), 2 * capacity, 256, 256, 128)}
+    expected.update({"moe_down_ws": ("map", runner._ws["h_rot"].data_ptr(), capacity, 384, 384, 128)}
+                    if mma.ws_down else {})
     assert maps == (expected if mma.x_tma else {}), "x by TMA over each kernel's whole x buffer"
     assert mma.ws_paired == (not mma.ws_gate_up), "paired producers beside the persistent gate/up: no"
     threads = 640 if mma.ws_paired else 768
@@ -204,6 +206,49 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
             assert (block, shared) == (threads, moe_mma.ws_shared_bytes(mma, name))
         else:
             assert (block, shared) == (mma.warps * 32, 0), name
+
+
+def test_wide_route_blocks_at_128_to_176_rows_per_expert(launches, monkeypatch):
+    """Where experts average 128 to 176 rows, sm_90 plans whose down takes one split run 192-row route
+    blocks: 640 threads (8 paired producers, 12 consumers), TMA boxes of 192 rows, shared memory within the SM's,
+    the rotation over 192-row blocks; EXL3MOE_MOE_WS_192=0, a split down, a smaller or a larger call keep 128."""
+    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m in (128, 192))
+    monkeypatch.setattr(nvrtc, "sm_count", lambda device: 5)
+    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+    shared_bytes = []
+    monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
+        launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
+    g = torch.Generator().manual_seed(6)
+    experts = random_experts(4, 256, 384, K=[4, 3, 4, 3], codebook="mcg", generator=g)
+    assert not moe_mma.wide_route_blocks(experts, 511, 511) and moe_mma.wide_route_blocks(experts, 512, 512)
+    assert moe_mma.wide_route_blocks(experts, 704, 704) and not moe_mma.wide_route_blocks(experts, 705, 705)
+    assert moe_plan(experts, 255, 2).block_m == 128
+    monkeypatch.setenv("EXL3MOE_MOE_WS_192", "0")
+    assert moe_plan(experts, 300, 2).block_m == 128
+    monkeypatch.delenv("EXL3MOE_MOE_WS_192")
+    plan = moe_plan(experts, 300, 2)
+    mma = plan.mma
+    assert plan.block_m == mma.block_m == 192 and mma.ws and mma.ws_down and mma.ws_paired and not mma.ws_gate_up
+    down = dict(moe_mma.kernel_source(mma, "moe_down_ws")[0])
+    assert [down[k] for k in ("WS_BLOCK_ROWS", "WS_PRODUCERS", "ROUTE_ROWS", "WARPS")] == [192, 8, 192, 20]
+    rotate = dict(moe_mma.kernel_source(mma, "moe_rotate_input")[0])
+    assert (rotate["MT"], rotate["ROUTE_ROWS"]) == (8, 192), "the rotation keeps its m16 tiles"
+    runner = plan.bind(plan.allocate())
+    x = torch.randn(300, 256).half()
+    ids = torch.randint(0, 4, (300, 2), generator=g, dtype=torch.int32)
+    calls = runner.chunk_launches(x, ids, torch.rand(300, 2, generator=g), torch.empty(300, 256).half())
+    for name in ("rotate", "gate_up", "down"):
+        calls[name]()
+    check(launches)
+    for (func, grid, block, args, _), shared in zip(launches, shared_bytes):
+        if func[1] == "moe_rotate_input":
+            assert grid[2] == 192 // moe_mma.ROTATE_ROWS and block == mma.warps * 32
+        else:
+            assert block == 640 and shared == moe_mma.ws_shared_bytes(mma, func[1]) <= 227 * 1024, func[1]
+            assert args[-1][-1] == 192, "TMA boxes of the block's rows"
+    assert moe_plan(experts, 353, 2).block_m == 128
+    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1 << 20)
+    assert moe_plan(experts, 300, 2).block_m == 128, "a split down keeps 128-row blocks"
 
 
 def test_moe_down_svh_off_four_byte_alignment_keeps_the_split_down(launches, monkeypatch):
@@ -314,7 +359,7 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
     assert shared_bytes.pop() == 0, "blocks of split groups leave the reduction to reduce_splits"
     ring = 3 * 16384 + 1024 + 65536 + 48 + 128 * 136 * 4   # stages of 4 k-tiles, x chunks, barriers, running sum
     if x_tma == "1":
-        assert func[2] == 1 and args[-1] == ("map", x.data_ptr(), 100, 4096, 4096)
+        assert func[2] == 1 and args[-1] == ("map", x.data_ptr(), 100, 4096, 4096, 128)
         assert shared_bytes == [ring + 16], "two more barriers"
         args = args[:-1]
     else:

@@ -473,13 +473,15 @@ def test_warp_specialized_experts_give_mma_sync_bytes(qwen3_layer, monkeypatch):
     assert rel_l2(outs["1"], moe(x, layer, ids, weights)) < 2e-3
 
 
-def ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, env, values, planned, seed, nan=False):
-    """Runs a 128-row plan of the Qwen3 layer (or a 16-expert layer of odd chunk counts: hidden 1152, inter 640) with a
-    residual stage on a quarter of the experts under each value of environment setting `env`: planned(plan.mma,
-    value) holds for each plan, the outputs' bytes agree, and they match float64. nan: the workspace starts as NaN."""
+def ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, env, values, planned, seed, nan=False,
+                                    block_m=128, T=300):
+    """Runs a plan of `block_m` rows (None: the plan's choice) of the Qwen3 layer (or a 16-expert layer of odd chunk
+    counts: hidden 1152, inter 640) over T tokens with a residual stage on a quarter of the experts under each value
+    of environment setting `env`: planned(plan.mma, value) holds for each plan, the outputs' bytes agree, and they
+    match float64. nan: the workspace starts as NaN."""
     base = qwen3_layer if shape == "qwen3" else random_experts(16, 1152, 640, [4, 3, 6], ["mcg", "mul1", "3inst"],
                                                                seed)
-    E, H, T, top_k = len(base.down), base.hidden_size, 300, 8
+    E, H, top_k = len(base.down), base.hidden_size, 8
     quarter = torch.zeros(E, 3, device="cuda")
     quarter[seed % 4::4] = 0.1
     layer = ExpertSet(base.gate, base.up, base.down, "silu", stages=[residual_stage(base, quarter, 2, "mcg", seed + 1)])
@@ -488,7 +490,7 @@ def ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, env, values
     outs = []
     for value in values:
         monkeypatch.setenv(env, value)
-        plan = moe_plan(layer, T, top_k, block_m=128, out_dtype=torch.float16)
+        plan = moe_plan(layer, T, top_k, block_m=block_m, out_dtype=torch.float16)
         assert plan.mma.ws and planned(plan.mma, value), value
         workspace = plan.allocate().fill_(0xFF) if nan else plan.allocate()   # 0xFFFF: fp16 NaN
         outs.append(torch.empty(T, H, device="cuda", dtype=torch.float16))
@@ -521,6 +523,20 @@ def test_paired_producers_give_the_bytes_of_sixteen_beside_nan_rows(qwen3_layer,
     monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
     ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_WS_PAIRED", ("0", "1"),
                                     lambda mma, paired: mma.ws_paired == (paired == "1"), 90 + int(tma), nan=True)
+
+
+@pytest.mark.parametrize("shape, T", [("qwen3", 2304), ("odd-chunks", 300)])
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_192_row_blocks_give_the_bytes_of_128_row_blocks_beside_nan_rows(qwen3_layer, shape, T, tma, monkeypatch):
+    """192-row route blocks (three consumer warpgroups, 8 paired producers), which plans take at 128 to 176 rows per
+    expert, give the bytes of 128-row blocks, with x by cp.async and by TMA (the 16-expert layer's down in one split
+    by a lower warp target)."""
+    monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
+    if shape == "odd-chunks":
+        monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+    ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_WS_192", ("0", "1"),
+                                    lambda mma, wide: mma.block_m == (192 if wide == "1" else 128) and mma.ws_down,
+                                    110 + int(tma), nan=True, block_m=None, T=T)
 
 
 def butterfly_rotation(rows: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,13 @@ def test_paths_dtypes_block_sizes(tokens, top_k, num_experts, block_m, dtype, pa
 
 
 @pytest.mark.parametrize("path", [{}, CHUNKED], ids=["one", "chunked"])
+def test_route_blocks_of_192_rows(path):
+    """Route blocks need only a multiple of 16 rows: 192-row blocks (sm_90's widest) over experts of 0 to ~400 rows."""
+    generator = torch.Generator().manual_seed(192)
+    check_route_pack(random_ids(300, 8, 12, torch.int32, generator, 0.2), 12, block_m=192, **path)
+
+
+@pytest.mark.parametrize("path", [{}, CHUNKED], ids=["one", "chunked"])
 @pytest.mark.parametrize(
     "case",
     ["all_one_expert", "all_invalid", "few_experts", "extreme_ids", "last_expert", "no_tokens", "exact_blocks"],

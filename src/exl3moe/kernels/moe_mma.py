@@ -146,6 +146,8 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
 WS_CONSUMER_THREADS = 256  # trellis_ws.cuh's CONSUMERS warps
 MOE_WS_RING_KTILES = 40  # the MoE ring (160 KB): its blocks keep no running sum, so more than the linear's fit
 WS_GATE_UP_RING_KTILES = 24  # the persistent gate/up's ring, beside its 64 KB of gate values
+WIDE_BLOCK_M, WIDE_RING_KTILES = 192, 32  # three consumer warpgroups; their ring beside 96 KB of x chunks
+WIDE_MIN_ROWS, WIDE_MAX_ROWS = 128, 176  # average rows per expert where 192-row blocks run (wide_route_blocks)
 
 
 def ws_ring(persistent_gate_up: bool | None = None) -> tuple:
@@ -175,14 +177,28 @@ def ws_shared_bytes(plan: MoeMmaPlan, name: str) -> int:
     values for moe_gate_up_ws."""
     gate_values = WS_CONSUMER_THREADS * 64 * 4 if name == "moe_gate_up_ws" else 0
     x_barriers = 2 * 8 if plan.x_tma else 0
-    return ws_ring_shared_bytes(plan.ws_stages, plan.ws_stage_ktiles) + gate_values + x_barriers
+    return ws_ring_shared_bytes(plan.ws_stages, plan.ws_stage_ktiles, plan.block_m) + gate_values + x_barriers
 
 
 def uses_ws(block_m: int, device: torch.device) -> bool:
-    """128-row route blocks on the warp-specialized mainloop: sm_90 exactly (wgmma); EXL3MOE_MOE_WS=0 keeps
-    mma.sync. Both give the same bytes."""
-    return (block_m == 128 and os.environ.get("EXL3MOE_MOE_WS", "1") != "0" and device.type == "cuda"
-            and torch.cuda.get_device_capability(device) == (9, 0))
+    """128- and 192-row route blocks on the warp-specialized mainloop: sm_90 exactly (wgmma); EXL3MOE_MOE_WS=0 keeps
+    mma.sync (128 rows). Both give the same bytes."""
+    return (block_m in (128, WIDE_BLOCK_M) and os.environ.get("EXL3MOE_MOE_WS", "1") != "0"
+            and device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0))
+
+
+def wide_route_blocks(experts, slots: int, max_slots: int) -> bool:
+    """192-row route blocks where a chunk of `slots` gives the experts WIDE_MIN_ROWS to WIDE_MAX_ROWS rows on average
+    (`max_slots`: the plan's largest call): most experts then hold 129-192 rows, which one block decodes once
+    instead of two. A 192-row block costs more than a 128-row one of the same rows (8 producers, a ring of 32
+    k-tiles), so fewer rows per expert, or more (two blocks either way), keep 128. Only where both kernels run
+    warp-specialized (down in one k split, its svh in pairs) and the persistent gate/up is not asked for;
+    EXL3MOE_MOE_WS_192=0 keeps 128."""
+    return (WIDE_MIN_ROWS * experts.num_experts <= slots <= WIDE_MAX_ROWS * experts.num_experts
+            and uses_ws(WIDE_BLOCK_M, experts.device)
+            and os.environ.get("EXL3MOE_MOE_WS_192", "1") != "0"
+            and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0" and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") != "1"
+            and moe_mma_layout(experts, max_slots, WIDE_BLOCK_M).down_splits == 1 and down_svh_in_pairs(experts))
 
 
 def down_svh_in_pairs(experts) -> bool:
@@ -200,14 +216,15 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
     plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0",
                    one_wave=direct and blocks <= DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device))
     if uses_ws(block_m, experts.device) and plan.pre_rotate:   # pre_rotates excludes direct plans
-        persistent = plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1"
-        stage_kt, stages = ws_ring(persistent)
+        wide = block_m == WIDE_BLOCK_M
+        persistent = plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1" and not wide
+        stage_kt, stages = (CHUNK_KTILES, WIDE_RING_KTILES // CHUNK_KTILES) if wide else ws_ring(persistent)
         plan = replace(plan, ws=True, ws_gate_up=persistent,
                        ws_down=(plan.down_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0"
                                 and down_svh_in_pairs(experts)),
                        ws_stages=stages, ws_stage_ktiles=stage_kt,
                        x_tma=not persistent and os.environ.get("EXL3MOE_MOE_X_TMA", "1") != "0",
-                       ws_paired=not persistent and os.environ.get("EXL3MOE_MOE_WS_PAIRED", "1") != "0")
+                       ws_paired=wide or (not persistent and os.environ.get("EXL3MOE_MOE_WS_PAIRED", "1") != "0"))
     early = early_launch(experts.device)
     plan = replace(plan, split_inner=split_inner_grid(plan), stage_blocks=stage_blocks(plan),
                    early_down=not plan.ws_down and early,
@@ -299,13 +316,17 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
         formats = plan.gate_up_formats if gate_up else plan.down_formats
         prelude = _produce("WS_PRODUCE_GATE_UP" if gate_up else "WS_PRODUCE_DOWN",
                            tuple(sorted(set(formats) | set(plan.stage_formats))))
-        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", ws_threads(plan.ws_paired) // 32),
+        defines = (("PF", PREFETCH), ("MT", 8), ("NT", 1), ("WARPS", ws_threads(plan.ws_paired, plan.block_m) // 32),
                    ("PRE_ROTATED", 1), ("DIRECT_ROUTE", 0), ("PAIR_SCALAR", 2), ("KTILE_UNROLL", CHUNK_KTILES),
                    ("WS", 1), ("STAGES", plan.ws_stages), ("STAGE_KT", plan.ws_stage_ktiles),
                    ("ROUTE_MAJOR", int(plan.route_major)))
-        defines += ((("X_TMA", 1),) if plan.x_tma else ()) + ((("WS_PRODUCERS", 12),) if plan.ws_paired else ())
+        defines += (("X_TMA", 1),) if plan.x_tma else ()
+        if plan.block_m == WIDE_BLOCK_M:
+            defines += (("WS_PRODUCERS", 8), ("WS_BLOCK_ROWS", WIDE_BLOCK_M), ("ROUTE_ROWS", WIDE_BLOCK_M))
+        else:
+            defines += (("WS_PRODUCERS", 12),) if plan.ws_paired else ()
         return defines, prelude
-    mt, nt = plan.block_m // 16, 8 // plan.warps
+    mt, nt = min(plan.block_m, 128) // 16, 8 // plan.warps   # 192-row plans: moe_rotate_input alone (ROUTE_ROWS)
     empty = ()
     formats = plan.gate_up_formats if gate_up else plan.down_formats
     union = union_stages(plan)
@@ -324,6 +345,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
                ("PAIR_SCALAR", moe_pair_scalar(len(formats), mt, plan.direct)),
                ("KTILE_UNROLL", unroll), ("ROUTE_MAJOR", int(plan.route_major)))
     defines += (("UNION_STAGES", 1),) if union else ()
+    defines += (("ROUTE_ROWS", plan.block_m),) if plan.block_m > 128 else ()
     if plan.one_wave and gate_up and len(formats) + len(stage_formats) > 1:   # two or more mainloops
         defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)
     defines += (("MIN_BLOCKS", stage_min_blocks(plan)),) if stage_min_blocks(plan) else ()
@@ -438,20 +460,20 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
     limit = float(tables.limit) if tables.limit is not None else 0.0
     if plan.ws_gate_up:
         nvrtc.launch(plan.gate_up_kernel, (min(grid_blocks * (I // 128), nvrtc.sm_count(hidden.device)), 1, 1),
-                     ws_threads(plan.ws_paired),
+                     ws_threads(plan.ws_paired, plan.block_m),
                      [block_expert, block_start, offsets, tables.trellis_addr, tables.suh_addr, tables.svh_addr,
                       tables.k2, tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, capacity, h_rot,
                       ACTIVATIONS[tables.activation], int(tables.limit is not None), limit, x_rot, grid_blocks],
                      shared=ws_shared_bytes(plan, "moe_gate_up_ws"))
         return
-    threads = ws_threads(plan.ws_paired) if plan.ws else plan.warps * 32
+    threads = ws_threads(plan.ws_paired, plan.block_m) if plan.ws else plan.warps * 32
     nvrtc.launch(plan.gate_up_kernel, _grid(plan, grid_blocks, 2 * I // 128, plan.gate_up_splits), threads,
                  [hidden, int(hidden.dtype == torch.bfloat16), hidden.stride(0), block_expert, block_start, offsets,
                   sorted_slots, top_k, tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2,
                   tables.codebook, *_stage_args(tables), tables.bias_gate_up, E, H, I, partial, capacity, h_rot,
                   counters, plan.gate_up_ktiles, plan.gate_up_splits, ACTIVATIONS[tables.activation],
                   int(tables.limit is not None), limit, x_rot, ids_64,
-                  *([nvrtc.x_tensor_map(x_rot, 2 * capacity, H)] if plan.x_tma else [])],
+                  *([nvrtc.x_tensor_map(x_rot, 2 * capacity, H, box_rows=plan.block_m)] if plan.x_tma else [])],
                  shared=ws_shared_bytes(plan, "moe_gate_up_mma") if plan.ws else 0, early=plan.early_gate_up)
 
 
@@ -470,10 +492,11 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
     E, H, I = tables.num_experts, tables.hidden_size, tables.intermediate_size
     if plan.ws_down:
         nvrtc.launch(plan.down_kernel, (min(grid_blocks * (H // 128), nvrtc.sm_count(h_rot.device)), 1, 1),
-                     ws_threads(plan.ws_paired),
+                     ws_threads(plan.ws_paired, plan.block_m),
                      [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr,
                       tables.svh_addr, tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I,
-                      grid_blocks, *([nvrtc.x_tensor_map(h_rot, capacity, I)] if plan.x_tma else [])],
+                      grid_blocks,
+                      *([nvrtc.x_tensor_map(h_rot, capacity, I, box_rows=plan.block_m)] if plan.x_tma else [])],
                      shared=ws_shared_bytes(plan, "moe_down_ws"))
         return
     nvrtc.launch(plan.down_kernel, _grid(plan, grid_blocks, H // 128, plan.down_splits), plan.warps * 32,

@@ -228,20 +228,20 @@ def allow_non_portable_clusters(func) -> None:
         _non_portable.add(int(func))
 
 
-def x_tensor_map(x: torch.Tensor, rows: int, cols: int, stride: int | None = None):
+def x_tensor_map(x: torch.Tensor, rows: int, cols: int, stride: int | None = None, box_rows: int = 128):
     """A tensor map (TMA) of x's first `rows` rows of `cols` 16-bit values, `stride` (default cols) apart (16-byte
-    aligned rows), in boxes of 128 rows x 64 values in the 128-byte swizzle; rows past the end read as 0. Cached by
-    address and shape: a map holds nothing else."""
-    return _x_tensor_map(x.data_ptr(), rows, cols, cols if stride is None else stride)
+    aligned rows), in boxes of `box_rows` rows x 64 values in the 128-byte swizzle; rows past the end read as 0.
+    Cached by address and shape: a map holds nothing else."""
+    return _x_tensor_map(x.data_ptr(), rows, cols, cols if stride is None else stride, box_rows)
 
 
 @functools.lru_cache(maxsize=256)
-def _x_tensor_map(address: int, rows: int, cols: int, stride: int):
+def _x_tensor_map(address: int, rows: int, cols: int, stride: int, box_rows: int):
     driver, _ = _bindings()
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     return _check(driver.cuTensorMapEncodeTiled(
         driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, address, [u64(cols), u64(rows)],
-        [u64(stride * 2)], [u32(64), u32(128)], [u32(1), u32(1)],
+        [u64(stride * 2)], [u32(64), u32(box_rows)], [u32(1), u32(1)],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,

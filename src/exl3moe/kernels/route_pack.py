@@ -286,7 +286,7 @@ def route_pack(
     Buffers: counts [E+1], offsets [E+2], sorted_slots [N], block_expert and block_start [max_blocks]
     with max_blocks >= route_pack_max_blocks(N, E, block_m), num_blocks [1], workspace of at least
     route_pack_workspace_numel(N, E, small_max_slots, chunk_slots) elements. topk_ids contiguous;
-    block_m and chunk_slots powers of two; sort keys are int32, so (E+2) * max(next_pow2(N) on the
+    block_m a multiple of 16, chunk_slots a power of two; sort keys are int32, so (E+2) * max(next_pow2(N) on the
     one-launch path, chunk_slots) must stay below 2**31. The grid depends on N and E only. `expert_order`:
     None, or an int32 permutation of [0, E) on the ids' device, the order of the block table.
     """

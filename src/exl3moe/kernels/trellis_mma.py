@@ -289,15 +289,18 @@ WS_PAIR_SCALAR = 1   # trellis_ws producers' pair sums: scalar HADDs and a PRMT 
 WS_PAIRED_STAGES = 5   # the linear's ring with paired producers, which wait for a stage before they decode it
 
 
-def ws_threads(paired: bool = False) -> int:
-    """Threads of a trellis_ws block: 16 producer warps, or 12 paired ones (two tile columns each), and 8 consumers."""
+def ws_threads(paired: bool = False, rows: int = 128) -> int:
+    """Threads of a trellis_ws block: 16 producer warps, or 12 paired ones (two tile columns each), and 8 consumers;
+    blocks of 192 rows: 8 paired producers and 12 consumers."""
+    if rows == 192:
+        return (8 + 12) * 32
     return ((12 if paired else 16) + 8) * 32
 
 
-# trellis_ws.cuh's dynamic shared memory (WsShared): ring stages, alignment slack, two x chunks, the barriers; the
-# linear adds its running sum (128 rows of 136 fp32).
-def ws_ring_shared_bytes(stages: int = WS_STAGES, stage_ktiles: int = WS_STAGE_KTILES) -> int:
-    return stages * stage_ktiles * 8 * 32 * 16 + 1024 + 2 * 128 * 256 + 2 * stages * 8
+# trellis_ws.cuh's dynamic shared memory (WsShared): ring stages, alignment slack, two x chunks of `rows` rows, the
+# barriers; the linear adds its running sum (128 rows of 136 fp32).
+def ws_ring_shared_bytes(stages: int = WS_STAGES, stage_ktiles: int = WS_STAGE_KTILES, rows: int = 128) -> int:
+    return stages * stage_ktiles * 8 * 32 * 16 + 1024 + 2 * rows * 256 + 2 * stages * 8
 
 
 # Calls from this many rows (x rotated) run on trellis_ws: weights under MID_WEIGHT entries, under SMALL_WEIGHT, larger.

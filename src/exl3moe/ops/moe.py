@@ -37,9 +37,9 @@ from ..format.experts import ExpertSet, check_shared
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import (MAX_GRID_ROWS, direct_route, format_count, formats_up_to, moe_down_mma, moe_gate_up_mma,
-                                moe_rotate_input, plan_moe_mma, projection_formats, supported, workspace_numels,
-                                ws_ring)
+from ..kernels.moe_mma import (MAX_GRID_ROWS, WIDE_BLOCK_M, direct_route, format_count, formats_up_to, moe_down_mma,
+                                moe_gate_up_mma, moe_rotate_input, plan_moe_mma, projection_formats, supported,
+                                wide_route_blocks, workspace_numels, ws_ring)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from .tables import MoETables, build_tables, check_expert_set
@@ -155,6 +155,8 @@ class MoEPlan:
         self.slot_capacity = self.chunk_tokens * top_k
         cuda = nvrtc.available(self.device) and supported(experts, self.stage_max_k2)
         cuda_block_m = block_m or route_block_rows(self.slot_capacity, E, CUDA_MAX_BLOCK_M, 1.5)
+        if cuda and block_m is None and wide_route_blocks(experts, self.slot_capacity, max_tokens * top_k):
+            cuda_block_m = WIDE_BLOCK_M
         # The CUDA experts' route blocks are grid rows (at most 65535; half that beside stage blocks, stage_blocks).
         rows = MAX_GRID_ROWS // 2 if self.stage_formats else MAX_GRID_ROWS
         cuda = cuda and route_pack_max_blocks(self.slot_capacity, E, cuda_block_m) <= rows

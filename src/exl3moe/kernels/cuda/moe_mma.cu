@@ -35,8 +35,13 @@ static_assert(WARPS * 32 == WS_THREADS, "a warp-specialized block is its produce
 #include "moe_ws_items.cuh"
 #include "moe_rotate.cuh"
 #include "moe_epilogue.cuh"
+#if WS
+static_assert(ROUTE_ROWS == WS_ROWS, "a route block is a warp-specialized block's rows");
+#endif
 
-#if !WS || defined(WS_PRODUCE_GATE_UP)
+// mma.sync kernels run route blocks of their m16 tiles (a module of 192-row blocks has moe_rotate_input alone).
+#define MMA_ROUTE (!WS && ROUTE_ROWS == 16 * MT)
+#if MMA_ROUTE || defined(WS_PRODUCE_GATE_UP)
 extern "C" __global__ void KERNEL_BOUNDS
 moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, const int* __restrict__ block_expert,
                 const int* __restrict__ block_start, const int* __restrict__ offsets,
@@ -195,7 +200,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
 }
 #endif
 
-#if !WS
+#if MMA_ROUTE
 extern "C" __global__ void KERNEL_BOUNDS
 moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, const int* __restrict__ block_expert,
              const int* __restrict__ block_start, const int* __restrict__ offsets,

@@ -2,6 +2,9 @@
 // x staging (copies of pre-rotated rows, or rotation of a chunk).
 #pragma once
 constexpr int BLOCK_M = 16 * MT;
+#ifndef ROUTE_ROWS
+#define ROUTE_ROWS (16 * MT)   // a route block's rows where they exceed the module's m16 tiles (192-row blocks)
+#endif
 constexpr int SPLIT_BATCH = DIRECT_ROUTE ? 4 : 1;   // split loads in flight at once in the epilogues (add_splits)
 
 __device__ __forceinline__ float sigmoid(float x) {
@@ -66,7 +69,7 @@ __device__ __forceinline__ int summed_splits(int splits, int index, int stride, 
     return STAGE_BLOCKS && stage_active(index, stride, num_stages, scale) ? 2 * splits : splits;
 }
 
-// Expert, first sorted position and row count (<= BLOCK_M) of route block b; false for an unused block.
+// Expert, first sorted position and row count (<= ROUTE_ROWS) of route block b; false for an unused block.
 // DIRECT_ROUTE: block b is flat slot b alone (one row at position b) and `block_expert` holds topk_ids (int64
 // when ids_64); false for an id outside [0, num_experts).
 __device__ __forceinline__ bool route_block(int b, const int* block_expert, const int* block_start, const int* offsets,
@@ -82,7 +85,7 @@ __device__ __forceinline__ bool route_block(int b, const int* block_expert, cons
     expert = block_expert[b];
     if (expert < 0) return false;
     start = block_start[b];
-    nrows = min(BLOCK_M, offsets[expert + 1] - start);
+    nrows = min(ROUTE_ROWS, offsets[expert + 1] - start);
     return true;
 #endif
 }

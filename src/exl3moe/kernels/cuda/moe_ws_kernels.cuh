@@ -1,6 +1,6 @@
 // moe_mma.cu's persistent warp-specialized kernels: moe_gate_up_ws (opt-in) and moe_down_ws.
 #pragma once
-#if WS && defined(WS_PRODUCE_GATE_UP) && !X_TMA
+#if WS && defined(WS_PRODUCE_GATE_UP) && !X_TMA && WS_BLOCK_ROWS == 128
 // Gate and up of every (route block, 128 columns) item of a single-split plan, persistent like moe_down_ws: the
 // consumers run gate, keep its finished values (Hn(sum) * svh + bias) in shared memory, run up, and write
 // h_rot[pos] = fp16(Hn(act(gate, up) * down's suh) / sqrt(128)): the bytes of moe_gate_up_mma's last arrival.

@@ -2,6 +2,7 @@
 // order, the same split partials). A block runs `splits_per_block` consecutive splits; one that runs all of them
 // keeps their sum in shared memory. Compile-time (-D): K2, CB, PAIR_SCALAR and trellis_ws.cuh's.
 #include "trellis_ws.cuh"
+static_assert(WS_ROWS == 128, "the linear's blocks are 128 rows");
 
 constexpr int TOTAL_STRIDE = 136;                     // row stride of the running sum: conflict-free float2 access
 constexpr int TOTAL_FLOATS = WS_ROWS * TOTAL_STRIDE;   // a block running every split: the running fp32 sum

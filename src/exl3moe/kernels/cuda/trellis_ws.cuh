@@ -1,27 +1,31 @@
 // Warp-specialized trellis matmul for blocks of 128 rows on sm_90a (shared by trellis_ws.cu and moe_mma.cu):
 // producer warps decode the 8 n16 tiles of a 128-column block into a ring of shared-memory stages (the mma.sync B
-// fragments trellis_mma decodes, stored as wgmma core matrices), and two consumer warpgroups (64 rows x 128 columns
-// each) run wgmma on them (two m64n64k16 per k-tile, or one m64n128k16 with paired producers), with x staged in the
-// 128-byte swizzle (cp.async, or TMA). A k16 step sums to the same bits on wgmma as on mma.sync, and every output
-// element gets the same products in the same order as in mma_mainloop. Compile-time (-D): PF (k-tiles of words
-// prefetched per producer), STAGES (ring stages of STAGE_KT k-tiles), X_TMA (x chunks by the tensor memory
-// accelerator), WS_PRODUCERS (16, or 12 paired producers).
+// fragments trellis_mma decodes, stored as wgmma core matrices), and a consumer warpgroup per 64 rows (64 rows x 128
+// columns each) runs wgmma on them (two m64n64k16 per k-tile, or one m64n128k16 with paired producers), with x
+// staged in the 128-byte swizzle (cp.async, or TMA). A k16 step sums to the same bits on wgmma as on mma.sync, and
+// every output element gets the same products in the same order as in mma_mainloop. Compile-time (-D): PF (k-tiles
+// of words prefetched per producer), STAGES (ring stages of STAGE_KT k-tiles), X_TMA (x chunks by the tensor memory
+// accelerator), WS_PRODUCERS (16, or 12 paired producers), WS_BLOCK_ROWS (192: three warpgroups, 8 paired producers).
 #pragma once
 #include "trellis_core.cuh"
 #ifndef X_TMA
 #define X_TMA 0   // 1: one consumer thread asks TMA for each x chunk (a tensor map of x's rows), onto a barrier
 #endif
 #ifndef WS_PRODUCERS
-#define WS_PRODUCERS 16   // 12: paired producers, each decoding two tile columns
+#define WS_PRODUCERS 16   // 12 (8 with 192-row blocks): paired producers, each decoding two tile columns
+#endif
+#ifndef WS_BLOCK_ROWS
+#define WS_BLOCK_ROWS 128   // 192: three consumer warpgroups
 #endif
 
-constexpr int WS_ROWS = 128, WS_TILES = 8;
+constexpr int WS_ROWS = WS_BLOCK_ROWS, WS_TILES = 8;
 constexpr int PRODUCERS = WS_PRODUCERS, PRODUCER_COLS = PRODUCERS == 16 ? 1 : 2;   // tile columns per producer
 constexpr int TURN_WARPS = WS_TILES / PRODUCER_COLS, K_TURNS = PRODUCERS / TURN_WARPS;   // stages taken in turns
-static_assert(PRODUCERS == 16 || PRODUCERS == 12, "16 producers of one column or 12 of two");
+static_assert(WS_ROWS == 128 ? PRODUCERS == 16 || PRODUCERS == 12 : WS_ROWS == 192 && PRODUCERS == 8,
+              "128-row blocks: 16 producers of one column or 12 of two; 192-row blocks: 8 of two");
 // ptxas gives m64n128k16's 64 accumulators 90 registers at the block's entry, which 768 threads do not have.
 constexpr int WGMMA_N = PRODUCERS == 16 ? 64 : 128;
-constexpr int CONSUMERS = 8;                            // two warpgroups
+constexpr int CONSUMERS = WS_ROWS / 16;                 // a warpgroup per 64 rows
 constexpr int WS_THREADS = (PRODUCERS + CONSUMERS) * 32;
 #ifndef STAGE_KT
 #define STAGE_KT 4                                      // k-tiles per ring stage
@@ -39,7 +43,7 @@ static_assert(WHOLE_CHUNK_STAGES ? STAGE_KT % PF == 0 && (STAGE_KT == CHUNK || P
 __device__ __forceinline__ int producer_column(int p) { return (p % TURN_WARPS) * PRODUCER_COLS; }
 constexpr int KTILE_U32 = WS_TILES * 32 * 4;          // one k-tile of the block: 8 tiles x 32 lanes x 4 fragments
 constexpr int STAGE_U32 = STAGE_KT * KTILE_U32;
-constexpr u32 XS_BYTES = 32 * 1024;                    // one staged x chunk (128 rows x 128 inputs), 1024-aligned
+constexpr u32 XS_BYTES = WS_ROWS * 256;                // one staged x chunk (WS_ROWS rows x 128 inputs), 1024-aligned
 #ifndef WS_DIAG
 // Timing builds only (wrong results; scripts/ws_diag.sh): 1 no wgmma, 2 no decode, 4 no x staging, 8 no producer
 // proxy fence, 16 no trellis loads after the first, 32 no ring stores.
@@ -117,7 +121,8 @@ __device__ __forceinline__ void warp_arrive(u64* bar) {
 
 // Register budgets per role: a block starts at ENTRY_REGS per thread, producers give some back and the consumer
 // warpgroups take them for their 64 accumulators; both return to ENTRY_REGS before code that every warp runs.
-constexpr int ENTRY_REGS = (65536 / WS_THREADS) & ~7, PRODUCER_REGS = PRODUCERS == 16 ? 72 : 88;
+constexpr int ENTRY_REGS = (65536 / WS_THREADS) & ~7;
+constexpr int PRODUCER_REGS = PRODUCERS == 16 ? 72 : PRODUCERS == 12 ? 88 : 80;
 constexpr int CONSUMER_REGS = PRODUCERS == 16 ? 96 : 104;
 static_assert(PRODUCERS * PRODUCER_REGS + CONSUMERS * CONSUMER_REGS <= (PRODUCERS + CONSUMERS) * ENTRY_REGS,
               "register budget of a block");
@@ -265,12 +270,12 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
 }
 
 // Byte offset of (row, 16-byte piece p of its 128 inputs) in a staged chunk for wgmma's 128-byte swizzle: two
-// halves of 64 inputs, each 128 rows of 128 bytes whose pieces are permuted by row % 8 (1024-byte aligned).
+// halves of 64 inputs, each WS_ROWS rows of 128 bytes whose pieces are permuted by row % 8 (1024-byte aligned).
 __device__ __forceinline__ u32 x_swizzled_offset(int row, int p) {
     return (p >> 3) * (WS_ROWS * 128) + row * 128 + (((p & 7) ^ (row & 7)) << 4);
 }
 #if X_TMA
-struct alignas(64) XMap { unsigned long long words[16]; };   // a CUtensorMap: x's rows, boxes of 128 rows x 64
+struct alignas(64) XMap { unsigned long long words[16]; };   // a CUtensorMap: x's rows, boxes of WS_ROWS rows x 64
 
 // Rows of x: tensor-map rows from `row`; a kernel's tensor map is a __grid_constant__ parameter.
 struct XSource {
