@@ -283,6 +283,30 @@ def test_moe_ring_settings_outside_their_range_are_refused(launches, monkeypatch
     assert not launches
 
 
+@pytest.mark.parametrize("hidden, inter, stages, refused", [(4096, 1408, 4, True), (4096, 1408, 5, False),
+                                                             (2048, 768, 4, False), (2048, 768, 3, True)])
+def test_ring_too_shallow_for_the_producer_turns_is_refused(launches, monkeypatch, hidden, inter, stages, refused):
+    """Paired producers take a range's ring stages in three turns; over ranges whose stage count three does not
+    divide, a turn's next stage can lie up to five stages on, further than a shallower ring's slots, where a barrier's
+    parity would let it overwrite a slot still in use. GLM's ranges (32 and 11 stages) need 5, Qwen3's (16, 6) 4."""
+    from exl3moe.errors import ContractError
+
+    assert [moe_mma.ring_turn_step(n, 3) for n in (32, 11, 16, 6, 1)] == [5, 5, 4, 3, 1]
+    assert [moe_mma.ring_turn_step(n, 2) for n in (32, 11, 1)] == [2, 3, 1]
+    monkeypatch.setenv("EXL3MOE_MOE_WS_STAGE_KT", "8")
+    monkeypatch.setenv("EXL3MOE_MOE_WS_STAGES", str(stages))
+    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)   # one split: ranges of the whole hidden / intermediate size
+    experts = random_experts(2, hidden, inter, K=2, codebook="mcg", generator=torch.Generator().manual_seed(7))
+    if refused:
+        with pytest.raises(ContractError, match="EXL3MOE_MOE_WS_STAGES.*need at least"):
+            moe_plan(experts, 600, 2, block_m=128)
+        assert not launches
+    else:
+        moe_plan(experts, 600, 2, block_m=128)
+    monkeypatch.setenv("EXL3MOE_MOE_WS_PAIRED", "0")
+    moe_plan(experts, 600, 2, block_m=128)   # 16 producers take two turns: any ring of 3 or more stages
+
+
 @pytest.mark.parametrize("env, ring", [({}, (8, 5)), (dict(GATE_UP="1"), (8, 3)), (dict(STAGES="5"), (4, 5)),
                                        (dict(STAGE_KT="4"), (4, 10)), (dict(STAGE_KT="4", GATE_UP="1"), (4, 6))])
 def test_moe_ring_stages_follow_the_settings(monkeypatch, env, ring):

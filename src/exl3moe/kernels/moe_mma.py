@@ -172,6 +172,32 @@ def ws_ring(persistent_gate_up: bool | None = None) -> tuple:
     return stage_kt, int(stages_env)
 
 
+def ring_turn_step(stages_per_range: int, turns: int) -> int:
+    """Largest step between one producer turn's consecutive ring stages over back-to-back ranges of stages_per_range
+    stages taken in `turns` turns. A producer waits for its slot's previous use by barrier parity, which cannot tell
+    that use from the one before it: a step longer than the ring's stage count could overwrite a slot still read."""
+    n, k = stages_per_range, turns
+    return max(t + k if (n - t) % k == 0 else t + (n - t) % k for t in range(min(k, n)))
+
+
+def check_ring_turns(experts, max_slots: int) -> None:
+    """ContractError where the ring settings (EXL3MOE_MOE_WS_STAGES, _STAGE_KT) are too shallow for the producer turns
+    of a 128-row warp-specialized plan's ranges (ring_turn_step); the defaults never are. Only ints and formats are
+    read, so moe_plan checks it before anything reaches the device."""
+    ws_ring()   # the settings' own ranges
+    layout = moe_mma_layout(experts, max_slots, 128)
+    persistent = layout.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1"
+    stage_kt, stages = ws_ring(persistent)
+    turns = 2 if persistent or os.environ.get("EXL3MOE_MOE_WS_PAIRED", "1") == "0" else 3
+    H, I = experts.hidden_size, experts.intermediate_size
+    for ktiles, total in ((layout.gate_up_ktiles, H // 16), (layout.down_ktiles, I // 16)):
+        for range_ktiles in {ktiles, total - (total - 1) // ktiles * ktiles}:   # a split, and the last one
+            step = ring_turn_step(range_ktiles // stage_kt, turns)
+            if step > stages:
+                raise ContractError("EXL3MOE_MOE_WS_STAGES", f"{stages} stages of {stage_kt} k-tiles: ranges of "
+                                    f"{range_ktiles} k-tiles in {turns} producer turns need at least {step}")
+
+
 def ws_shared_bytes(plan: MoeMmaPlan, name: str) -> int:
     """Dynamic shared memory of a warp-specialized kernel: trellis_ws.cuh's, plus each consumer thread's 64 gate
     values for moe_gate_up_ws."""
@@ -190,8 +216,8 @@ def uses_ws(block_m: int, device: torch.device) -> bool:
 def wide_route_blocks(experts, slots: int, max_slots: int) -> bool:
     """192-row route blocks where a chunk of `slots` gives the experts WIDE_MIN_ROWS to WIDE_MAX_ROWS rows on average
     (`max_slots`: the plan's largest call): most experts then hold 129-192 rows, which one block decodes once
-    instead of two. A 192-row block costs more than a 128-row one of the same rows (8 producers, a ring of 32
-    k-tiles), so fewer rows per expert, or more (two blocks either way), keep 128. Only where both kernels run
+    instead of two. A 192-row block costs ~1.2x a 128-row one of the same rows (not in its decode), so fewer rows
+    per expert, or more (two blocks either way), keep 128. Only where both kernels run
     warp-specialized (down in one k split, its svh in pairs) and the persistent gate/up is not asked for;
     EXL3MOE_MOE_WS_192=0 keeps 128."""
     return (WIDE_MIN_ROWS * experts.num_experts <= slots <= WIDE_MAX_ROWS * experts.num_experts

@@ -37,9 +37,9 @@ from ..format.experts import ExpertSet, check_shared
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import (MAX_GRID_ROWS, WIDE_BLOCK_M, direct_route, format_count, formats_up_to, moe_down_mma,
-                                moe_gate_up_mma, moe_rotate_input, plan_moe_mma, projection_formats, supported,
-                                wide_route_blocks, workspace_numels, ws_ring)
+from ..kernels.moe_mma import (MAX_GRID_ROWS, WIDE_BLOCK_M, check_ring_turns, direct_route, format_count,
+                                formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input, plan_moe_mma,
+                                projection_formats, supported, wide_route_blocks, workspace_numels)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from .tables import MoETables, build_tables, check_expert_set
@@ -135,7 +135,7 @@ class MoEPlan:
         if max_stage_bits and max_stage_bits * 2 not in range(2, 17):
             raise ContractError("max_stage_bits", f"must be 0 or a valid K (1..8, 1.5, 2.5, 3.5), got {max_stage_bits}")
         check_expert_set(experts)
-        ws_ring()   # the MoE ring's environment settings, checked before anything reaches the device
+        check_ring_turns(experts, max_tokens * top_k)   # the MoE ring's settings, before anything reaches the device
         self.stage_codebooks = stage_codebook_set(experts, stage_codebooks)
         if shared is not None:
             check_shared(shared, experts)
