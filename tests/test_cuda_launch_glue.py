@@ -153,6 +153,20 @@ def test_direct_down_drops_its_launch_bound_where_ptxas_spills(launches, monkeyp
         assert defines.get("MIN_BLOCKS") == (None if spills else 8), spills
 
 
+def run_ws_chunk(plan, launches, num_experts, g):
+    """Binds `plan` (hidden 256, top-2, its max tokens), runs one chunk's rotate, gate/up and down launches on random
+    ids, checks their arguments against the kernel signatures and returns the runner."""
+    T = plan.max_tokens
+    runner = plan.bind(plan.allocate())
+    x = torch.randn(T, 256).half()
+    ids = torch.randint(0, num_experts, (T, 2), generator=g, dtype=torch.int32)
+    calls = runner.chunk_launches(x, ids, torch.rand(T, 2, generator=g), torch.empty(T, 256).half())
+    for name in ("rotate", "gate_up", "down"):
+        calls[name]()
+    check(launches)
+    return runner
+
+
 @pytest.mark.parametrize("persistent_gate_up", ["0", "1"])
 @pytest.mark.parametrize("single_split", [False, True])
 def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, persistent_gate_up):
@@ -180,14 +194,8 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
     assert "WS_PRODUCE_GATE_UP(WORDS, KEY, CURSOR) switch (KEY) { case" in producers
     assert "produce<4, 1>" in producers, "the stage's format is decoded by the same producers"
     assert ("WS_PRODUCE_DOWN" in mma.down_kernel[2]) == single_split
-    runner = plan.bind(plan.allocate())
+    runner = run_ws_chunk(plan, launches, 8, g)
     assert ("mma_down_partial" in runner._ws) != single_split, "the persistent down keeps no partials"
-    x = torch.randn(70, 256).half()
-    ids = torch.randint(0, 8, (70, 2), generator=g, dtype=torch.int32)
-    calls = runner.chunk_launches(x, ids, torch.rand(70, 2, generator=g), torch.empty(70, 256).half())
-    for name in ("rotate", "gate_up", "down"):
-        calls[name]()
-    check(launches)
     assert mma.x_tma == (persistent_gate_up == "0" or not single_split), "TMA x beside the persistent gate/up: no"
     capacity = plan.slot_capacity
     maps = {func[1]: args[-1] for func, _, _, args, _ in launches if kind(args[-1]) == "map"}
@@ -233,13 +241,7 @@ def test_wide_route_blocks_at_128_to_176_rows_per_expert(launches, monkeypatch):
     assert [down[k] for k in ("WS_BLOCK_ROWS", "WS_PRODUCERS", "ROUTE_ROWS", "WARPS")] == [192, 8, 192, 20]
     rotate = dict(moe_mma.kernel_source(mma, "moe_rotate_input")[0])
     assert (rotate["MT"], rotate["ROUTE_ROWS"]) == (8, 192), "the rotation keeps its m16 tiles"
-    runner = plan.bind(plan.allocate())
-    x = torch.randn(300, 256).half()
-    ids = torch.randint(0, 4, (300, 2), generator=g, dtype=torch.int32)
-    calls = runner.chunk_launches(x, ids, torch.rand(300, 2, generator=g), torch.empty(300, 256).half())
-    for name in ("rotate", "gate_up", "down"):
-        calls[name]()
-    check(launches)
+    run_ws_chunk(plan, launches, 4, g)
     for (func, grid, block, args, _), shared in zip(launches, shared_bytes):
         if func[1] == "moe_rotate_input":
             assert grid[2] == 192 // moe_mma.ROTATE_ROWS and block == mma.warps * 32
