@@ -219,7 +219,10 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
 def test_wide_route_blocks_at_128_to_176_rows_per_expert(launches, monkeypatch):
     """Where experts average 128 to 176 rows, sm_90 plans whose down takes one split run 192-row route
     blocks: 640 threads (8 paired producers, 12 consumers), TMA boxes of 192 rows, shared memory within the SM's,
-    the rotation over 192-row blocks; EXL3MOE_MOE_WS_192=0, a split down, a smaller or a larger call keep 128."""
+    the rotation over 192-row blocks; EXL3MOE_MOE_WS_192=0, a split down, a smaller or a larger call keep 128. A
+    caller may ask for 192 rows anywhere they can run, and is refused where they cannot."""
+    from exl3moe.errors import ContractError
+
     monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m in (128, 192))
     monkeypatch.setattr(nvrtc, "sm_count", lambda device: 5)
     monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
@@ -249,8 +252,15 @@ def test_wide_route_blocks_at_128_to_176_rows_per_expert(launches, monkeypatch):
             assert block == 640 and shared == moe_mma.ws_shared_bytes(mma, func[1]) <= 227 * 1024, func[1]
             assert args[-1][-1] == 192, "TMA boxes of the block's rows"
     assert moe_plan(experts, 353, 2).block_m == 128
+    assert moe_plan(experts, 70, 2, block_m=192).block_m == 192, "asked for, outside the window too"
     monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1 << 20)
     assert moe_plan(experts, 300, 2).block_m == 128, "a split down keeps 128-row blocks"
+    with pytest.raises(ContractError, match="block_m.*192 needs"):
+        moe_plan(experts, 300, 2, block_m=192)
+    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
+    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+    with pytest.raises(ContractError, match="block_m.*192 needs"):
+        moe_plan(experts, 300, 2, block_m=192)
 
 
 def test_moe_down_svh_off_four_byte_alignment_keeps_the_split_down(launches, monkeypatch):

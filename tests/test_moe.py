@@ -253,6 +253,7 @@ def test_plan_contract():
     experts = random_experts(2, 128, 128, K=2, generator=g)
     for kwargs, name in [({"max_tokens": 0}, "max_tokens"), ({"top_k": 0}, "top_k"),
                          ({"slot_capacity": 1}, "slot_capacity"), ({"block_m": 24}, "block_m"),
+                         ({"block_m": 192}, "block_m"),   # the H200's warp-specialized experts only
                          ({"decode_k": 8}, "decode_k"), ({"out_dtype": torch.int8}, "out_dtype")]:
         args = {"max_tokens": 4, "top_k": 2, **kwargs}
         with pytest.raises(ContractError) as info:

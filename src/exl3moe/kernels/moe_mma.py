@@ -217,12 +217,16 @@ def wide_route_blocks(experts, slots: int, max_slots: int) -> bool:
     """192-row route blocks where a chunk of `slots` gives the experts WIDE_MIN_ROWS to WIDE_MAX_ROWS rows on average
     (`max_slots`: the plan's largest call): most experts then hold 129-192 rows, which one block decodes once
     instead of two. A 192-row block costs ~1.2x a 128-row one of the same rows (not in its decode), so fewer rows
-    per expert, or more (two blocks either way), keep 128. Only where both kernels run
-    warp-specialized (down in one k split, its svh in pairs) and the persistent gate/up is not asked for;
-    EXL3MOE_MOE_WS_192=0 keeps 128."""
+    per expert, or more (two blocks either way), keep 128. Only where wide_blocks_run; EXL3MOE_MOE_WS_192=0 keeps
+    128."""
     return (WIDE_MIN_ROWS * experts.num_experts <= slots <= WIDE_MAX_ROWS * experts.num_experts
-            and uses_ws(WIDE_BLOCK_M, experts.device)
-            and os.environ.get("EXL3MOE_MOE_WS_192", "1") != "0"
+            and os.environ.get("EXL3MOE_MOE_WS_192", "1") != "0" and wide_blocks_run(experts, max_slots))
+
+
+def wide_blocks_run(experts, max_slots: int) -> bool:
+    """Whether 192-row route blocks can run a plan of max_slots: sm_90, both kernels warp-specialized (down in one k
+    split, its svh in pairs), the persistent gate/up not asked for."""
+    return (uses_ws(WIDE_BLOCK_M, experts.device)
             and os.environ.get("EXL3MOE_MOE_WS_DOWN") != "0" and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") != "1"
             and moe_mma_layout(experts, max_slots, WIDE_BLOCK_M).down_splits == 1 and down_svh_in_pairs(experts))
 

@@ -39,7 +39,7 @@ from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
 from ..kernels.moe_mma import (MAX_GRID_ROWS, WIDE_BLOCK_M, check_ring_turns, direct_route, format_count,
                                 formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input, plan_moe_mma,
-                                projection_formats, supported, wide_route_blocks, workspace_numels)
+                                projection_formats, supported, wide_blocks_run, wide_route_blocks, workspace_numels)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from .tables import MoETables, build_tables, check_expert_set
@@ -81,6 +81,16 @@ def route_block_rows(slots: int, num_experts: int, largest: int = MAX_BLOCK_M, h
     """Route-block size from the average rows per expert (times headroom): a power of two in [16, largest]."""
     rows = max(1, int(-(-slots * headroom // num_experts)))
     return max(MIN_BLOCK_M, min(largest, triton.next_power_of_2(rows)))
+
+
+def check_wide_block_m(experts: ExpertSet, max_tokens: int, top_k: int, slots: int, stage_k2: int) -> None:
+    """ContractError unless an asked-for block_m of 192 can run: the H200's warp-specialized CUDA experts (gated,
+    stages up to K = 4, down in one k split) over a chunk of `slots` within the grid's rows."""
+    if not (nvrtc.available(experts.device) and supported(experts, stage_k2)
+            and wide_blocks_run(experts, max_tokens * top_k)
+            and route_pack_max_blocks(slots, experts.num_experts, WIDE_BLOCK_M) <= MAX_GRID_ROWS // 2):
+        raise ContractError("block_m", "192 needs the H200's warp-specialized CUDA experts (gated, stages up to "
+                            "K = 4, down in one k split)")
 
 
 def format_order(experts: ExpertSet) -> list | None:
@@ -127,8 +137,8 @@ class MoEPlan:
         capacity = DEFAULT_SLOT_CAPACITY if slot_capacity is None else _check_int(slot_capacity, "slot_capacity", 1)
         if capacity < top_k:
             raise ContractError("slot_capacity", f"must hold one token's {top_k} slots, got {capacity}")
-        if block_m is not None and block_m not in (16, 32, 64, 128):
-            raise ContractError("block_m", f"must be 16, 32, 64 or 128, got {block_m!r}")
+        if block_m is not None and block_m not in (16, 32, 64, 128, WIDE_BLOCK_M):
+            raise ContractError("block_m", f"must be 16, 32, 64, 128 or 192, got {block_m!r}")
         if decode_k is not None and decode_k not in (16, 32, 64, 128):
             raise ContractError("decode_k", f"must be 16, 32, 64 or 128, got {decode_k!r}")
         _check_int(stage_capacity, "stage_capacity", 0)
@@ -136,6 +146,9 @@ class MoEPlan:
             raise ContractError("max_stage_bits", f"must be 0 or a valid K (1..8, 1.5, 2.5, 3.5), got {max_stage_bits}")
         check_expert_set(experts)
         check_ring_turns(experts, max_tokens * top_k)   # the MoE ring's settings, before anything reaches the device
+        if block_m == WIDE_BLOCK_M:
+            check_wide_block_m(experts, max_tokens, top_k, min(max_tokens, capacity // top_k) * top_k,
+                               stage_k2_limit(experts, stage_capacity, max_stage_bits))
         self.stage_codebooks = stage_codebook_set(experts, stage_codebooks)
         if shared is not None:
             check_shared(shared, experts)

@@ -175,7 +175,9 @@ __device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* 
     for (int j = 0; j < mine; j++) {
         const u32 i = cursor + j * K_TURNS + turn, s = i % STAGES;
         u32* dst = ring + s * STAGE_U32 + producer_column(p) * 128 + (threadIdx.x & 31);   // as in produce
+        ws_trace(1);
         mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
+        ws_trace(2);
 #pragma unroll
         for (int t = 0; t < STAGE_KT; t++) {
             u32 b[PRODUCER_COLS][4];
@@ -204,6 +206,7 @@ __device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* 
         if (!(WS_DIAG & 8))
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
         warp_arrive(full + s);
+        ws_trace(3);
     }
 }
 
