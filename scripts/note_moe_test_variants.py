@@ -39,7 +39,7 @@ for union in ("1", "0"):   # the union-stage test, both ways
         moe_plan(ExpertSet(u.gate, u.up, u.down, "silu", stages=ust), 20, 4, block_m=block_m, out_dtype=torch.float16)
 os.environ.pop("EXL3MOE_MOE_UNION_STAGES")
 one_shared = experts(1, 512, 256, [4], ["mcg"])
-for K in (4, 3):   # one-format direct plans reading their combine ahead
+for K in (4, 3, 2):   # one-format direct plans reading their combine ahead
     for top_k, T in ((4, 4), (10, 1)):
         moe_plan(experts(16, 512, 384, [K], ["mcg"]), T, top_k, shared=one_shared)
 for inner in ("1", "0"):   # splits inside route blocks against splits outermost

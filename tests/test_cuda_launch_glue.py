@@ -123,13 +123,14 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
 
 def test_one_row_gate_up_of_many_mainloops_is_bounded_only_when_a_call_fits_one_wave(launches, monkeypatch):
     """A direct plan's gate/up of two formats gets __launch_bounds__' minimum blocks when a full call's blocks fit
-    on the GPU at that many per SM; a uniform layer's, or a call of more blocks, keeps ptxas's own registers. Down
-    reads its combine's inputs ahead with registers for 8 blocks per SM (one format) or 7 (more)."""
+    on the GPU at that many per SM; a uniform layer's (of a format outside ONE_WAVE_BOUND_FORMATS), or a call of more
+    blocks, keeps ptxas's own registers. Down reads its combine's inputs ahead with registers for 8 blocks per SM (one
+    format) or 7 (more)."""
     from exl3moe.kernels.moe_mma import DIRECT_GATE_UP_MIN_BLOCKS, kernel_source
 
     g = torch.Generator().manual_seed(4)
     mixed = random_experts(8, 256, 256, K=[3, 4] * 4, codebook="mcg", generator=g)
-    uniform = random_experts(8, 256, 256, K=4, codebook="mcg", generator=g)
+    uniform = random_experts(8, 256, 256, K=3, codebook="mcg", generator=g)   # K4 and K2 take a bound of their own
     monkeypatch.setattr(nvrtc, "sm_count", lambda device: 3)   # 21 blocks in flight: one token's 16, not four's
     for experts, T, bounded in ((mixed, 1, True), (mixed, 4, False), (uniform, 1, False)):
         mma = moe_plan(experts, T, 2).mma
@@ -144,7 +145,7 @@ def test_one_row_gate_up_of_many_mainloops_is_bounded_only_when_a_call_fits_one_
 def test_direct_down_drops_its_launch_bound_where_ptxas_spills(launches, monkeypatch):
     """A one-format direct down reads its combine ahead with registers for 8 blocks per SM; where ptxas spills
     under that bound, the kernel is compiled again without it (the read-ahead stays)."""
-    experts = random_experts(8, 256, 256, K=4, codebook="mcg", generator=torch.Generator().manual_seed(5))
+    experts = random_experts(8, 256, 256, K=3, codebook="mcg", generator=torch.Generator().manual_seed(5))
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, d, index, prelude="", arch_suffix="": (name, dict(d)))
     for spills in (False, True):
         monkeypatch.setattr(nvrtc, "local_bytes", lambda func: 8 if spills and "MIN_BLOCKS" in func[1] else 0)

@@ -423,19 +423,20 @@ def test_direct_route_small_calls(qwen3_layer, monkeypatch):
     assert torch.equal(bits(out), bits(runner.run(x, ids, weights, torch.empty_like(out))))
 
 
-@pytest.mark.parametrize("K", [4, 3])
+@pytest.mark.parametrize("K", [4, 3, 2])
 def test_one_format_direct_down_reads_its_combine_ahead(K):
-    """A one-format direct plan's down reads its combine's ids and weights before the arrival (K4 with registers for
-    8 blocks per SM; the bound may be dropped where it spills): float64 agreement with remote ids, int32 / int64
-    ids, fp16 / bf16 / fp32 weights, a shared expert, top_k 10 (slots past the read-ahead), and row bytes
-    independent of the batch."""
+    """A one-format direct plan's down reads its combine's ids and weights before the arrival (K3 with registers for
+    8 blocks per SM, the bound dropped where it spills; K4 and K2, whose calls here fit one wave, for 7, gate/up
+    too): float64 agreement with remote ids, int32 / int64 ids, fp16 / bf16 / fp32 weights, a shared expert, top_k
+    10 (slots past the read-ahead), and row bytes independent of the batch."""
     from exl3moe.kernels.moe_mma import direct_down_defines
     E, H, I = 16, 512, 384
     layer = random_experts(E, H, I, [K], ["mcg"], seed=70)
     shared = random_experts(1, H, 256, [4], ["mcg"], seed=71, name="shared")
     for top_k, T in ((4, 4), (10, 1)):
         plan = moe_plan(layer, T, top_k, shared=shared)
-        assert plan.mma.direct and dict(direct_down_defines(plan.mma))["COMBINE_AHEAD"] == 8
+        down = dict(direct_down_defines(plan.mma))
+        assert plan.mma.direct and down["COMBINE_AHEAD"] == 8 and down["MIN_BLOCKS"] == (8 if K == 3 else 7)
         runner = plan.bind(plan.allocate())
         x = (torch.randn(T, H, device="cuda") / 8).half()
         ids, weights = routing(T, E, top_k, 72)

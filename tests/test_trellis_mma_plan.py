@@ -113,6 +113,30 @@ def test_few_format_stage_plans_take_one_switch_at_16_rows_and_five_blocks_per_s
     assert "MIN_BLOCKS" not in dict(kernel_source(rows32, "moe_gate_up_mma")[0])
 
 
+@pytest.mark.parametrize("K, bound", [(2, True), (4, True), (3, False), (6, False)])
+def test_one_format_direct_kernels_of_one_wave_take_the_bound_formats_registers(K, bound):
+    """A one-row call of one K2 / K4 MCG format whose gate/up (or down) blocks fit one wave at
+    DIRECT_GATE_UP_MIN_BLOCKS per SM gets registers for that many (ONE_WAVE_BOUND_FORMATS); other formats, calls of
+    two waves and stage plans keep their bounds."""
+    from helpers import random_experts
+
+    from exl3moe.kernels.moe_mma import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
+                                         DIRECT_GATE_UP_MIN_BLOCKS, kernel_source, moe_mma_layout)
+
+    direct = moe_mma_layout(random_experts(4, 256, 256, K=K, codebook="mcg"), max_slots=8, block_m=16, direct=True)
+    gate_up = lambda plan: dict(kernel_source(plan, "moe_gate_up_mma")[0]).get("MIN_BLOCKS")  # noqa: E731
+    down = lambda plan: dict(kernel_source(plan, "moe_down_mma")[0])["MIN_BLOCKS"]  # noqa: E731
+    both = replace(direct, one_wave=True, down_one_wave=True)
+    assert gate_up(both) == (DIRECT_GATE_UP_MIN_BLOCKS if bound else None)
+    assert down(both) == (DIRECT_DOWN_MIN_BLOCKS_MIXED if bound else DIRECT_DOWN_MIN_BLOCKS)
+    down_only = replace(direct, down_one_wave=True)   # gate/up of two waves: ptxas's own count
+    assert gate_up(down_only) is None and down(down_only) == down(both)
+    assert gate_up(direct) is None and down(direct) == DIRECT_DOWN_MIN_BLOCKS   # two waves of each
+    staged = replace(moe_mma_layout(random_experts(4, 256, 256, K=K, codebook="mcg"), max_slots=8, block_m=16,
+                                    stage_formats=((4, 1),), direct=True), one_wave=True, down_one_wave=True)
+    assert gate_up(staged) == DIRECT_GATE_UP_MIN_BLOCKS and down(staged) == DIRECT_DOWN_MIN_BLOCKS_MIXED
+
+
 def test_decode_variants_follow_block_rows_and_format_count():
     from helpers import random_experts
 

@@ -29,6 +29,9 @@ STAGE_32_ROW_MIN_BLOCKS = 5  # a stage plan's 32-row kernels (stage_min_blocks)
 # A direct plan's down reads its combine's first slots ahead of the arrival, with registers for this many blocks
 # per SM: one mainloop (where ptxas fits it without a spill), more mainloops (direct_down_defines, _kernel).
 DIRECT_COMBINE_AHEAD, DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED = 8, 8, 7
+# One-format (2K, codebook) of direct kernels that run faster with registers for DIRECT_GATE_UP_MIN_BLOCKS blocks per
+# SM where a call's blocks fit one wave at that many (K2 / K4 MCG; K3 / K5 ran slower, K6 the same).
+ONE_WAVE_BOUND_FORMATS = ((4, 1), (8, 1))
 SMALL_CALL_SLOTS, SMALL_CALL_UNROLL = 32, 2  # calls of so few slots run every block at once: smallest mainloops
 MAX_GRID_ROWS = 65535  # gridDim.y (z with split_inner): gate/up and down launch one grid row per route block
 ACTIVATIONS = {"silu": 0, "gelu": 1}  # the kernel's ids (gated activations only)
@@ -64,6 +67,7 @@ class MoeMmaPlan:
     ws_paired: bool = False  # ws gate/up and down on 12 paired producers (WS_PRODUCERS; not the persistent gate/up)
     small_call: bool = False  # at most SMALL_CALL_SLOTS slots per call
     one_wave: bool = False  # direct, and a full call's gate/up blocks fit at DIRECT_GATE_UP_MIN_BLOCKS per SM
+    down_one_wave: bool = False  # the same of down's blocks
     route_major: bool = True  # gate/up and down grids: column blocks along x, route blocks along y (not the reverse)
     split_inner: bool = False  # route-major grids with splits along y and route blocks along z (split_inner_grid)
     early_down: bool = False  # down launched while gate/up finishes (EARLY_LAUNCH; early_launch)
@@ -242,9 +246,11 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
     """moe_mma_layout, with both kernels compiled for the layer's formats; `after_down`: gate/up follows another
     expert set's moe_down_mma in the stream (early_gate_up)."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
+    one_wave = DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device)
     blocks = max_slots * (2 * experts.intermediate_size // 128) * plan.gate_up_splits
+    down_blocks = max_slots * (experts.hidden_size // 128) * plan.down_splits
     plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0",
-                   one_wave=direct and blocks <= DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device))
+                   one_wave=direct and blocks <= one_wave, down_one_wave=direct and down_blocks <= one_wave)
     if uses_ws(block_m, experts.device) and plan.pre_rotate:   # pre_rotates excludes direct plans
         wide = block_m == WIDE_BLOCK_M
         persistent = plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1" and not wide
@@ -376,8 +382,8 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
                ("KTILE_UNROLL", unroll), ("ROUTE_MAJOR", int(plan.route_major)))
     defines += (("UNION_STAGES", 1),) if union else ()
     defines += (("ROUTE_ROWS", plan.block_m),) if plan.block_m > 128 else ()
-    if plan.one_wave and gate_up and len(formats) + len(stage_formats) > 1:   # two or more mainloops
-        defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)
+    if plan.one_wave and gate_up and (len(formats) + len(stage_formats) > 1 or one_wave_bound(plan, formats)):
+        defines += (("MIN_BLOCKS", DIRECT_GATE_UP_MIN_BLOCKS),)   # two or more mainloops, or a bound format
     defines += (("MIN_BLOCKS", stage_min_blocks(plan)),) if stage_min_blocks(plan) else ()
     defines += direct_down_defines(plan) if name == "moe_down_mma" else ()
     defines += (("SUH_PREFETCH", 1),) if suh_prefetch(plan) and gate_up else ()
@@ -397,13 +403,21 @@ def direct_down_defines(plan: MoeMmaPlan) -> tuple:
     """A direct plan's down reads its combine's ids and weights for the first DIRECT_COMBINE_AHEAD slots before
     the combine's arrival. ptxas would give the read-ahead 72-94 registers, so the kernel is bounded: a single
     mainloop (one format, no stages) to DIRECT_DOWN_MIN_BLOCKS per SM (GLM's 1024-block calls then fit one wave;
-    _kernel drops the bound where ptxas spills under it), more mainloops to DIRECT_DOWN_MIN_BLOCKS_MIXED (24-32
-    bytes of stack, faster than the plain combine)."""
+    _kernel drops the bound where ptxas spills under it), more mainloops, and the ONE_WAVE_BOUND_FORMATS of calls
+    whose blocks fit one wave at that many, to DIRECT_DOWN_MIN_BLOCKS_MIXED (24-32 bytes of stack, faster than the
+    plain combine)."""
     if not plan.direct:
         return ()
     single = len(plan.down_formats) == 1 and not plan.stage_formats
+    bound = plan.down_one_wave and one_wave_bound(plan, plan.down_formats)
     return ("COMBINE_AHEAD", DIRECT_COMBINE_AHEAD), \
-        ("MIN_BLOCKS", DIRECT_DOWN_MIN_BLOCKS if single else DIRECT_DOWN_MIN_BLOCKS_MIXED)
+        ("MIN_BLOCKS", DIRECT_DOWN_MIN_BLOCKS if single and not bound else DIRECT_DOWN_MIN_BLOCKS_MIXED)
+
+
+def one_wave_bound(plan: MoeMmaPlan, formats: tuple) -> bool:
+    """Whether a direct kernel of one format without stages takes ONE_WAVE_BOUND_FORMATS' bound (where its blocks
+    fit one wave at that many per SM, as the caller checks)."""
+    return len(formats) == 1 and not plan.stage_formats and formats[0] in ONE_WAVE_BOUND_FORMATS
 
 
 def suh_prefetch(plan: MoeMmaPlan) -> bool:
