@@ -246,11 +246,11 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
     """moe_mma_layout, with both kernels compiled for the layer's formats; `after_down`: gate/up follows another
     expert set's moe_down_mma in the stream (early_gate_up)."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
-    one_wave = DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device)
+    wave_blocks = DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device)   # one wave at that many per SM
     blocks = max_slots * (2 * experts.intermediate_size // 128) * plan.gate_up_splits
     down_blocks = max_slots * (experts.hidden_size // 128) * plan.down_splits
     plan = replace(plan, route_major=os.environ.get("EXL3MOE_MOE_ROUTE_MAJOR", "1") != "0",
-                   one_wave=direct and blocks <= one_wave, down_one_wave=direct and down_blocks <= one_wave)
+                   one_wave=direct and blocks <= wave_blocks, down_one_wave=direct and down_blocks <= wave_blocks)
     if uses_ws(block_m, experts.device) and plan.pre_rotate:   # pre_rotates excludes direct plans
         wide = block_m == WIDE_BLOCK_M
         persistent = plan.gate_up_splits == 1 and os.environ.get("EXL3MOE_MOE_WS_GATE_UP") == "1" and not wide
