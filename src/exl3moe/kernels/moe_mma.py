@@ -220,9 +220,9 @@ def uses_ws(block_m: int, device: torch.device) -> bool:
 def wide_route_blocks(experts, slots: int, max_slots: int) -> bool:
     """192-row route blocks where a chunk of `slots` gives the experts WIDE_MIN_ROWS to WIDE_MAX_ROWS rows on average
     (`max_slots`: the plan's largest call): most experts then hold 129-192 rows, which one block decodes once
-    instead of two. A 192-row block costs ~1.2x a 128-row one of the same rows (not in its decode), so fewer rows
-    per expert, or more (two blocks either way), keep 128. Only where wide_blocks_run; EXL3MOE_MOE_WS_192=0 keeps
-    128."""
+    instead of two. A 192-row block costs ~1.2x a 128-row one of the same rows (its 8 producers wait on their
+    words), so fewer rows per expert, or more (two blocks either way), keep 128. Only where wide_blocks_run;
+    EXL3MOE_MOE_WS_192=0 keeps 128."""
     return (WIDE_MIN_ROWS * experts.num_experts <= slots <= WIDE_MAX_ROWS * experts.num_experts
             and os.environ.get("EXL3MOE_MOE_WS_192", "1") != "0" and wide_blocks_run(experts, max_slots))
 
