@@ -94,6 +94,7 @@ for T, block_m in ((1, 16), (9, 32), (40, 64)):   # the gelu / clamp / bias stag
     moe_plan(ExpertSet(b.gate, b.up, b.down, "gelu", limit=6.0, stages=stages), T, 4, block_m=block_m,
              out_dtype=torch.float16)
 moe_mma.uses_ws = lambda block_m, device: block_m in (128, moe_mma.WIDE_BLOCK_M)
+os.environ["EXL3MOE_MOE_SPLIT_ROUTE"] = "0"
 for tma in ("0", "1"):   # 192-row route blocks against 128-row ones, x by cp.async and by TMA
     os.environ["EXL3MOE_MOE_X_TMA"] = tma
     for base, T in ((q, 2304), (odd, 300)):
@@ -104,6 +105,18 @@ for tma in ("0", "1"):   # 192-row route blocks against 128-row ones, x by cp.as
         for wide in ("0", "1"):
             os.environ["EXL3MOE_MOE_WS_192"] = wide
             moe_plan(ExpertSet(base.gate, base.up, base.down, "silu", stages=[st]), T, 8, out_dtype=torch.float16)
+os.environ["EXL3MOE_MOE_WS_192"] = "0"
+for tma in ("0", "1"):   # split route blocks against 128-row ones, x by cp.async and by TMA
+    os.environ["EXL3MOE_MOE_X_TMA"] = tma
+    for base, T in ((q, 2048), (q, 4096), (odd, 300)):
+        E = len(base.down)
+        moe_mma.TARGET_WARPS = 1 if base is odd else 4096
+        st = ResidualStage(res(base.gate, 2, "mcg"), res(base.up, 2, "mcg"), res(base.down, 2, "mcg"),
+                           torch.zeros(E, 3))
+        for split in ("0", "1"):
+            os.environ["EXL3MOE_MOE_SPLIT_ROUTE"] = split
+            moe_plan(ExpertSet(base.gate, base.up, base.down, "silu", stages=[st]), T, 8, out_dtype=torch.float16)
 os.environ.pop("EXL3MOE_MOE_X_TMA")
 os.environ.pop("EXL3MOE_MOE_WS_192")
+os.environ.pop("EXL3MOE_MOE_SPLIT_ROUTE")
 moe_mma.TARGET_WARPS = 4096

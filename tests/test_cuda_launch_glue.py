@@ -230,6 +230,7 @@ def test_wide_route_blocks_at_128_to_176_rows_per_expert(launches, monkeypatch):
     shared_bytes = []
     monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
         launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
+    monkeypatch.setenv("EXL3MOE_MOE_SPLIT_ROUTE", "0")   # else split_route_blocks takes these calls
     g = torch.Generator().manual_seed(6)
     experts = random_experts(4, 256, 384, K=[4, 3, 4, 3], codebook="mcg", generator=g)
     assert not moe_mma.wide_route_blocks(experts, 511, 511) and moe_mma.wide_route_blocks(experts, 512, 512)
@@ -262,6 +263,68 @@ def test_wide_route_blocks_at_128_to_176_rows_per_expert(launches, monkeypatch):
     monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
     with pytest.raises(ContractError, match="block_m.*192 needs"):
         moe_plan(experts, 300, 2, block_m=192)
+
+
+def test_split_route_blocks_from_128_rows_per_expert(launches, monkeypatch):
+    """Where a chunk's experts average 128 rows or more, sm_90 plans whose down takes one split keep 128-row blocks
+    and add a 192-row plan: route_split after the route pack, the rotation over route_pack's 128-row table, then
+    gate/up and down of the 128-row table and of the 192-row one, each with its block rows, TMA boxes and grid rows
+    (route_split_max_blocks), the 192-row kernels launched early after the 128-row ones (split_chain) and waiting
+    for them on exit; a smaller call of the same plan launches the 128-row kernels alone, and
+    EXL3MOE_MOE_SPLIT_ROUTE=0 keeps one block size."""
+    from exl3moe.kernels.route_pack import route_pack_max_blocks
+    from exl3moe.kernels.route_split import route_split_max_blocks
+
+    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m in (128, 192))
+    monkeypatch.setattr(nvrtc, "sm_count", lambda device: 5)
+    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+    monkeypatch.setattr(moe_mma, "split_chain", lambda device: True)
+    shared_bytes = []
+    monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
+        launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
+    g = torch.Generator().manual_seed(7)
+    experts = random_experts(4, 256, 384, K=[4, 3, 4, 3], codebook="mcg", generator=g)
+    assert not moe_mma.split_route_blocks(experts, 511, 600) and moe_mma.split_route_blocks(experts, 512, 600)
+    assert moe_plan(experts, 223, 2).wide_mma is None
+    plan = moe_plan(experts, 300, 2)
+    assert plan.block_m == plan.mma.block_m == 128 and plan.wide_mma.block_m == 192
+    assert plan.mma.ws_down and plan.wide_mma.ws_down and plan.expert_order is not None
+    for mma, chained in ((plan.mma, False), (plan.wide_mma, True)):
+        for name in ("moe_gate_up_mma", "moe_down_ws"):
+            defines = dict(moe_mma.kernel_source(mma, name)[0])
+            assert defines["EARLY_LAUNCH"] == 1 and ("CHAIN_ON_EXIT" in defines) == chained, (mma.block_m, name)
+    runner = plan.bind(plan.allocate())
+    x, out = torch.randn(300, 256).half(), torch.empty(300, 256).half()
+    ids = torch.randint(0, 4, (300, 2), generator=g, dtype=torch.int32)
+    calls = runner.chunk_launches(x, ids, torch.rand(300, 2, generator=g), out)
+    assert list(calls) == ["route_pack", "route_split", "rotate", "gate_up", "wide_gate_up", "down", "wide_down",
+                           "combine"]
+    for name in ("rotate", "gate_up", "wide_gate_up", "down", "wide_down"):
+        calls[name]()
+    check(launches)
+    wide_n, narrow_n = route_split_max_blocks(600, 4)
+    ws = runner._ws
+    tables = {"wide": (ws["wide_block_expert"], wide_n, 192), "narrow": (ws["narrow_block_expert"], narrow_n, 128)}
+    kinds = ["rotate", "narrow", "wide", "narrow", "wide"]
+    for kind_, (func, grid, block, args, early), shared in zip(kinds, launches, shared_bytes):
+        assert early == (kind_ == "wide"), (kind_, func[1])
+        if kind_ == "rotate":
+            assert func[1] == "moe_rotate_input" and grid[0] == route_pack_max_blocks(600, 4, 128)
+            assert args[3].data_ptr() == ws["block_expert"].data_ptr(), "the rotation walks route_pack's table"
+            continue
+        table, rows, block_rows = tables[kind_]
+        mma = plan.wide_mma if kind_ == "wide" else plan.mma
+        assert block == 640 and shared == moe_mma.ws_shared_bytes(mma, func[1]), func[1]
+        assert args[-1][-1] == block_rows, "TMA boxes of the block's rows"
+        expert_arg = args[3] if func[1] == "moe_gate_up_mma" else args[2]
+        assert expert_arg.data_ptr() == table.data_ptr() and expert_arg.numel() == rows, (kind_, func[1])
+        if func[1] == "moe_gate_up_mma":
+            assert grid[1] == rows, "one grid row per route block of the table"
+    small = runner.chunk_launches(x[:200], ids[:200], torch.rand(200, 2, generator=g), out[:200])
+    assert "route_split" not in small and "wide_gate_up" not in small, "400 slots: 100 rows per expert"
+    assert moe_plan(experts, 255, 2).wide_mma is None
+    monkeypatch.setenv("EXL3MOE_MOE_SPLIT_ROUTE", "0")
+    assert moe_plan(experts, 300, 2).wide_mma is None
 
 
 def test_moe_down_svh_off_four_byte_alignment_keeps_the_split_down(launches, monkeypatch):

@@ -478,7 +478,7 @@ def ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, env, values
                                     block_m=128, T=300):
     """Runs a plan of `block_m` rows (None: the plan's choice) of the Qwen3 layer (or a 16-expert layer of odd chunk
     counts: hidden 1152, inter 640) over T tokens with a residual stage on a quarter of the experts under each value
-    of environment setting `env`: planned(plan.mma, value) holds for each plan, the outputs' bytes agree, and they
+    of environment setting `env`: planned(plan, value) holds for each plan, the outputs' bytes agree, and they
     match float64. nan: the workspace starts as NaN."""
     base = qwen3_layer if shape == "qwen3" else random_experts(16, 1152, 640, [4, 3, 6], ["mcg", "mul1", "3inst"],
                                                                seed)
@@ -492,7 +492,7 @@ def ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, env, values
     for value in values:
         monkeypatch.setenv(env, value)
         plan = moe_plan(layer, T, top_k, block_m=block_m, out_dtype=torch.float16)
-        assert plan.mma.ws and planned(plan.mma, value), value
+        assert plan.mma.ws and planned(plan, value), value
         workspace = plan.allocate().fill_(0xFF) if nan else plan.allocate()   # 0xFFFF: fp16 NaN
         outs.append(torch.empty(T, H, device="cuda", dtype=torch.float16))
         plan.bind(workspace).run(x, ids, weights, outs[-1])
@@ -505,7 +505,7 @@ def test_whole_chunk_ring_stages_give_the_bytes_of_four_k_tile_stages(qwen3_laye
     """Ring stages of 8 k-tiles (EXL3MOE_MOE_WS_STAGE_KT=8; odd stage counts per range in the odd-chunk layer) give
     the bytes of 4-k-tile stages, with a sparse residual stage."""
     ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_WS_STAGE_KT", ("4", "8"),
-                                    lambda mma, kt: mma.ws_stage_ktiles == int(kt), 70)
+                                    lambda plan, kt: plan.mma.ws_stage_ktiles == int(kt), 70)
 
 
 @pytest.mark.parametrize("shape", ["qwen3", "odd-chunks"])
@@ -513,7 +513,7 @@ def test_x_chunks_by_tma_give_the_bytes_of_cp_async_beside_nan_rows(qwen3_layer,
     """x chunks by TMA (EXL3MOE_MOE_X_TMA) give the bytes of per-thread copies, with a sparse residual stage and NaN
     in every workspace row no position wrote (TMA reads the rows after a block's, which no output may see)."""
     ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_X_TMA", ("0", "1"),
-                                    lambda mma, tma: mma.x_tma == (tma == "1"), 81, nan=True)
+                                    lambda plan, tma: plan.mma.x_tma == (tma == "1"), 81, nan=True)
 
 
 @pytest.mark.parametrize("shape", ["qwen3", "odd-chunks"])
@@ -523,7 +523,8 @@ def test_paired_producers_give_the_bytes_of_sixteen_beside_nan_rows(qwen3_layer,
     column, with x by cp.async and by TMA."""
     monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
     ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_WS_PAIRED", ("0", "1"),
-                                    lambda mma, paired: mma.ws_paired == (paired == "1"), 90 + int(tma), nan=True)
+                                    lambda plan, paired: plan.mma.ws_paired == (paired == "1"), 90 + int(tma),
+                                    nan=True)
 
 
 @pytest.mark.parametrize("shape, T", [("qwen3", 2304), ("odd-chunks", 300)])
@@ -533,11 +534,29 @@ def test_192_row_blocks_give_the_bytes_of_128_row_blocks_beside_nan_rows(qwen3_l
     expert, give the bytes of 128-row blocks, with x by cp.async and by TMA (the 16-expert layer's down in one split
     by a lower warp target)."""
     monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
+    monkeypatch.setenv("EXL3MOE_MOE_SPLIT_ROUTE", "0")
     if shape == "odd-chunks":
         monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
     ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_WS_192", ("0", "1"),
-                                    lambda mma, wide: mma.block_m == (192 if wide == "1" else 128) and mma.ws_down,
-                                    110 + int(tma), nan=True, block_m=None, T=T)
+                                    lambda plan, wide: plan.mma.block_m == (192 if wide == "1" else 128)
+                                    and plan.mma.ws_down, 110 + int(tma), nan=True, block_m=None, T=T)
+
+
+@pytest.mark.parametrize("shape, T", [("qwen3", 2048), ("qwen3", 4096), ("odd-chunks", 300)])
+@pytest.mark.parametrize("tma", ["0", "1"])
+def test_split_route_blocks_give_the_bytes_of_128_row_blocks_beside_nan_rows(qwen3_layer, shape, T, tma,
+                                                                            monkeypatch):
+    """A chunk's experts split between 192- and 128-row blocks (route_split: one or the other at ~128 rows per
+    expert, two narrow or one of each at ~256; the 16-expert layer of three formats in its format order) give the
+    bytes of 128-row blocks alone, with x by cp.async and by TMA and a sparse residual stage."""
+    monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
+    monkeypatch.setenv("EXL3MOE_MOE_WS_192", "0")
+    if shape == "odd-chunks":
+        monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+    ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_SPLIT_ROUTE", ("0", "1"),
+                                    lambda plan, split: plan.mma.block_m == 128 and plan.mma.ws_down
+                                    and (plan.wide_mma is not None) == (split == "1"), 120 + int(tma), nan=True,
+                                    block_m=None, T=T)
 
 
 def butterfly_rotation(rows: torch.Tensor, suh: torch.Tensor) -> torch.Tensor:

@@ -73,6 +73,7 @@ class MoeMmaPlan:
     early_down: bool = False  # down launched while gate/up finishes (EARLY_LAUNCH; early_launch)
     early_gate_up: bool = False  # gate/up launched while the previous expert set's down finishes (EARLY_GATE_UP)
     stage_blocks: bool = False  # the stages' passes in blocks of their own (STAGE_BLOCKS; stage_blocks)
+    split_peer: int = 0  # split route blocks (split_route_blocks): 1 the 128-row kernels, 2 the 192-row ones
     gate_up_kernel: object = None  # CUfunctions, set by plan_moe_mma
     down_kernel: object = None
     rotate_kernel: object = None
@@ -152,6 +153,7 @@ MOE_WS_RING_KTILES = 40  # the MoE ring (160 KB): its blocks keep no running sum
 WS_GATE_UP_RING_KTILES = 24  # the persistent gate/up's ring, beside its 64 KB of gate values
 WIDE_BLOCK_M, WIDE_RING_KTILES = 192, 32  # three consumer warpgroups; their ring beside 96 KB of x chunks
 WIDE_MIN_ROWS, WIDE_MAX_ROWS = 128, 176  # average rows per expert where 192-row blocks run (wide_route_blocks)
+SPLIT_MIN_ROWS = 128  # average rows per expert from which a chunk's experts split their rows (split_route_blocks)
 
 
 def ws_ring(persistent_gate_up: bool | None = None) -> tuple:
@@ -219,12 +221,22 @@ def uses_ws(block_m: int, device: torch.device) -> bool:
 
 def wide_route_blocks(experts, slots: int, max_slots: int) -> bool:
     """192-row route blocks where a chunk of `slots` gives the experts WIDE_MIN_ROWS to WIDE_MAX_ROWS rows on average
-    (`max_slots`: the plan's largest call): most experts then hold 129-192 rows, which one block decodes once
-    instead of two. A 192-row block costs ~1.2x a 128-row one of the same rows (its 8 producers wait on their
-    words), so fewer rows per expert, or more (two blocks either way), keep 128. Only where wide_blocks_run;
-    EXL3MOE_MOE_WS_192=0 keeps 128."""
+    (`max_slots`: the plan's largest call) and split_route_blocks does not run (EXL3MOE_MOE_SPLIT_ROUTE=0): most
+    experts then hold 129-192 rows, which one block decodes once instead of two. A 192-row block costs ~1.2x a
+    128-row one of the same rows (its 8 producers wait on their words), so fewer rows per expert, or more (two blocks
+    either way), keep 128. Only where wide_blocks_run; EXL3MOE_MOE_WS_192=0 keeps 128."""
     return (WIDE_MIN_ROWS * experts.num_experts <= slots <= WIDE_MAX_ROWS * experts.num_experts
             and os.environ.get("EXL3MOE_MOE_WS_192", "1") != "0" and wide_blocks_run(experts, max_slots))
+
+
+def split_route_blocks(experts, slots: int, max_slots: int) -> bool:
+    """Chunks of `slots` whose experts average SPLIT_MIN_ROWS rows or more split each expert's rows between 192- and
+    128-row blocks (route_split) and run a kernel of each size over its own table: an expert of 129-192 rows is
+    decoded once, one of up to 128 (or 193-256) rows pays for no 192-row block, one of 257-320 takes one of each.
+    Only where wide_blocks_run and 128-row blocks are warp-specialized; EXL3MOE_MOE_SPLIT_ROUTE=0 keeps one size
+    (wide_route_blocks)."""
+    return (slots >= SPLIT_MIN_ROWS * experts.num_experts and os.environ.get("EXL3MOE_MOE_SPLIT_ROUTE", "1") != "0"
+            and wide_blocks_run(experts, max_slots))
 
 
 def wide_blocks_run(experts, max_slots: int) -> bool:
@@ -242,9 +254,10 @@ def down_svh_in_pairs(experts) -> bool:
 
 
 def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (), direct: bool = False,
-                 after_down: bool = False) -> MoeMmaPlan:
+                 after_down: bool = False, split_peer: int = 0) -> MoeMmaPlan:
     """moe_mma_layout, with both kernels compiled for the layer's formats; `after_down`: gate/up follows another
-    expert set's moe_down_mma in the stream (early_gate_up)."""
+    expert set's moe_down_mma in the stream (early_gate_up); `split_peer`: the plan's kernels run one table of split
+    route blocks (1 the 128-row table, launched first; 2 the 192-row one, launched early after it: split_chain)."""
     plan = moe_mma_layout(experts, max_slots, block_m, stage_formats, direct)
     wave_blocks = DIRECT_GATE_UP_MIN_BLOCKS * nvrtc.sm_count(experts.device)   # one wave at that many per SM
     blocks = max_slots * (2 * experts.intermediate_size // 128) * plan.gate_up_splits
@@ -263,6 +276,7 @@ def plan_moe_mma(experts, max_slots: int, block_m: int, stage_formats: tuple = (
                        ws_paired=wide or (not persistent and os.environ.get("EXL3MOE_MOE_WS_PAIRED", "1") != "0"))
     early = early_launch(experts.device)
     plan = replace(plan, split_inner=split_inner_grid(plan), stage_blocks=stage_blocks(plan),
+                   split_peer=split_peer if plan.ws and split_chain(experts.device) else 0,
                    early_down=not plan.ws_down and early,
                    early_gate_up=(early and after_down and not plan.pre_rotate and not plan.ws_gate_up
                                   and os.environ.get("EXL3MOE_MOE_EARLY_GATE_UP", "1") != "0"))
@@ -281,6 +295,15 @@ def early_launch(device: torch.device) -> bool:
     early down only."""
     return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
             and os.environ.get("EXL3MOE_MOE_EARLY_DOWN", "1") != "0")
+
+
+def split_chain(device: torch.device) -> bool:
+    """Split route blocks chain their two kernels of each projection (sm_90): the 128-row kernel lets its dependents
+    launch, and the 192-row kernel launches early after it (it reads nothing the other writes), so its blocks fill
+    the other's last wave instead of running alone after it; its block 0 waits for the other's completion when it
+    leaves, so the stream's next kernel still waits for both. EXL3MOE_MOE_SPLIT_CHAIN=0 launches them one after the
+    other."""
+    return early_launch(device) and os.environ.get("EXL3MOE_MOE_SPLIT_CHAIN", "1") != "0"
 
 
 def stage_blocks(plan: MoeMmaPlan) -> bool:
@@ -357,6 +380,8 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
                    ("WS", 1), ("STAGES", plan.ws_stages), ("STAGE_KT", plan.ws_stage_ktiles),
                    ("ROUTE_MAJOR", int(plan.route_major)))
         defines += (("X_TMA", 1),) if plan.x_tma else ()
+        defines += (("EARLY_LAUNCH", 1),) if plan.split_peer else ()
+        defines += (("CHAIN_ON_EXIT", 1),) if plan.split_peer == 2 else ()
         if plan.block_m == WIDE_BLOCK_M:
             defines += (("WS_PRODUCERS", 8), ("WS_BLOCK_ROWS", WIDE_BLOCK_M), ("ROUTE_ROWS", WIDE_BLOCK_M))
         else:
@@ -518,7 +543,8 @@ def moe_gate_up_mma(hidden, h_rot, route, top_k, tables, plan: MoeMmaPlan, parti
                   counters, plan.gate_up_ktiles, plan.gate_up_splits, ACTIVATIONS[tables.activation],
                   int(tables.limit is not None), limit, x_rot, ids_64,
                   *([nvrtc.x_tensor_map(x_rot, 2 * capacity, H, box_rows=plan.block_m)] if plan.x_tma else [])],
-                 shared=ws_shared_bytes(plan, "moe_gate_up_mma") if plan.ws else 0, early=plan.early_gate_up)
+                 shared=ws_shared_bytes(plan, "moe_gate_up_mma") if plan.ws else 0,
+                 early=plan.early_gate_up or plan.split_peer == 2)
 
 
 DTYPE_ID = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
@@ -541,7 +567,7 @@ def moe_down_mma(h_rot, y, route, tables, plan: MoeMmaPlan, partial, counters, g
                       tables.svh_addr, tables.k2, tables.codebook, *_stage_args(tables), tables.bias_down, E, H, I,
                       grid_blocks,
                       *([nvrtc.x_tensor_map(h_rot, capacity, I, box_rows=plan.block_m)] if plan.x_tma else [])],
-                     shared=ws_shared_bytes(plan, "moe_down_ws"))
+                     shared=ws_shared_bytes(plan, "moe_down_ws"), early=plan.split_peer == 2)
         return
     nvrtc.launch(plan.down_kernel, _grid(plan, grid_blocks, H // 128, plan.down_splits), plan.warps * 32,
                  [h_rot, y, block_expert, block_start, offsets, sorted_slots, tables.trellis_addr, tables.svh_addr,

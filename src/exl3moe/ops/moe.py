@@ -3,6 +3,8 @@
 Per chunk of tokens (chunk size fixed by the plan, so the launch sequence depends on T alone):
 
     route_pack   (1 or 3 launches)  expert histogram, offsets, stable sort of slots, route-block tables
+    route_split  (H200, chunks of 128+ rows per expert) a 192-row and a 128-row block table (ops/moe_split.py);
+                                    gate/up and down then launch once per table
     rotate       (CUDA experts: 64+ row route blocks, packed plans of 33+ slots) gate and up inputs rotated once
     gate/up      (1 launch)         h_rot[pos] = rotated down input of act(gate(x), up(x)), fp16
     down         (1 launch)         y[slot] = down(h), fp32, unweighted (sm_90: starts early, waits for gate/up)
@@ -37,12 +39,14 @@ from ..format.experts import ExpertSet, check_shared
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import (MAX_GRID_ROWS, WIDE_BLOCK_M, check_ring_turns, direct_route, format_count,
-                                formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input, plan_moe_mma,
-                                projection_formats, supported, wide_blocks_run, wide_route_blocks, workspace_numels)
+from ..kernels.moe_mma import (MAX_GRID_ROWS, SPLIT_MIN_ROWS, WIDE_BLOCK_M, check_ring_turns, direct_route,
+                                format_count, formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input,
+                                plan_moe_mma, projection_formats, split_route_blocks, supported, wide_blocks_run,
+                                wide_route_blocks, workspace_numels)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from .tables import MoETables, build_tables, check_expert_set
+from .moe_split import split_layout, split_launches
 from .moe_torch import moe_torch
 from .stage_limits import residual_codebooks, stage_codebook_set, stage_k2_limit, widest_residual_k2
 
@@ -168,7 +172,10 @@ class MoEPlan:
         self.slot_capacity = self.chunk_tokens * top_k
         cuda = nvrtc.available(self.device) and supported(experts, self.stage_max_k2)
         cuda_block_m = block_m or route_block_rows(self.slot_capacity, E, CUDA_MAX_BLOCK_M, 1.5)
-        if cuda and block_m is None and wide_route_blocks(experts, self.slot_capacity, max_tokens * top_k):
+        split = (cuda and block_m is None and cuda_block_m == 128
+                 and split_route_blocks(experts, self.slot_capacity, max_tokens * top_k))
+        if cuda and block_m is None and not split and wide_route_blocks(experts, self.slot_capacity,
+                                                                        max_tokens * top_k):
             cuda_block_m = WIDE_BLOCK_M
         # The CUDA experts' route blocks are grid rows (at most 65535; half that beside stage blocks, stage_blocks).
         rows = MAX_GRID_ROWS // 2 if self.stage_formats else MAX_GRID_ROWS
@@ -192,16 +199,23 @@ class MoEPlan:
         shared_cuda = shared is not None and nvrtc.available(self.device) and supported(shared, 0)
         # A direct plan runs the shared expert first, so its gate/up follows the shared down.
         self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_formats, direct,
-                                after_down=direct and shared_cuda) if cuda else None
+                                after_down=direct and shared_cuda, split_peer=int(split)) if cuda else None
         # Route-packed mma.sync plans of stages keep the experts with an active stage first (staged_first).
         self.staged_order = (self.mma is not None and not self.mma.direct and not self.mma.ws
                              and bool(self.stage_formats))
         if self.staged_order:   # an order to rewrite when the stages change
             order = staged_first(self.tables.stage_scale, order)
         self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
+        # Chunks of SPLIT_MIN_ROWS rows per expert or more also run 192-row blocks (split_route_blocks).
+        split = split and self.mma is not None and self.mma.ws and self.mma.ws_down and self.mma.pre_rotate
+        self.wide_mma = (plan_moe_mma(experts, max_tokens * top_k, WIDE_BLOCK_M, self.stage_formats, split_peer=2)
+                         if split else None)
+        self.split_min_slots = SPLIT_MIN_ROWS * E
         if self.mma is not None:
             # A direct plan's blocks are its slots (more than max_blocks when E < S).
             self._layout += _mma_layout("mma_", self.mma, S, max(S, max_blocks) if direct else max_blocks, H, I)
+            if self.wide_mma is not None:
+                self._layout = split_layout(self._layout, self.wide_mma, S, E, H, I)
             if direct:
                 # Slot b is position b; the last of a token's slot blocks combines its 128 columns.
                 self.direct_slots = torch.arange(S, dtype=torch.int32).to(self.device)
@@ -391,7 +405,10 @@ class MoERunner:
                                   ws["route_workspace"][:route_pack_workspace_numel(slots, E)], block_m=plan.block_m,
                                   expert_order=plan.expert_order),
         }
-        if plan.mma is not None:
+        if plan.wide_mma is not None and slots >= plan.split_min_slots:
+            launches.update(split_launches(hidden, ws, route, max_blocks, top_k, tables, plan.mma, plan.wide_mma,
+                                           slots, plan.slot_capacity, plan.expert_order))
+        elif plan.mma is not None:
             launches.update(_mma_launches("", hidden, ws, ws["h_rot"], ws["y"], route, top_k, tables, plan.mma,
                                           max_blocks, plan.slot_capacity))
         else:

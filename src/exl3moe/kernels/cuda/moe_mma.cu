@@ -56,7 +56,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
                 int ids_64 X_MAP_PARAM) {
     TRACE_BEGIN;
     let_dependents_launch();
-    const PrerequisiteOnExit chain{EARLY_GATE_UP && blockIdx.x + blockIdx.y + blockIdx.z == 0};
+    const PrerequisiteOnExit chain{(EARLY_GATE_UP || CHAIN_ON_EXIT) && blockIdx.x + blockIdx.y + blockIdx.z == 0};
 #if !WS
     __shared__ __align__(16) unsigned short xs[BLOCK_M * XS];
 #endif

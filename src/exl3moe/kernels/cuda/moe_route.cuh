@@ -146,8 +146,12 @@ __device__ __forceinline__ void wait_for_prerequisite_grid() {
 #ifndef EARLY_GATE_UP
 #define EARLY_GATE_UP 0   // 1 (with EARLY_LAUNCH): gate/up launched early after the previous expert set's down
 #endif
-// An early gate/up reads nothing its prerequisite writes, but must not complete before it: the kernels after it
-// wait for it alone. Block 0 waits for the prerequisite when it leaves, wherever it returns.
+#ifndef CHAIN_ON_EXIT
+#define CHAIN_ON_EXIT 0   // 1 (with EARLY_LAUNCH): the 192-row kernel of split route blocks, after the 128-row one
+#endif
+// An early gate/up (or split route blocks' 192-row kernel) reads nothing its prerequisite writes, but must not
+// complete before it: the kernels after it wait for it alone. Block 0 waits for the prerequisite when it leaves,
+// wherever it returns.
 struct PrerequisiteOnExit {
     bool wait;
     __device__ __forceinline__ ~PrerequisiteOnExit() {

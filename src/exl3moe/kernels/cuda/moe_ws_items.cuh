@@ -73,15 +73,17 @@ __device__ __forceinline__ void ws_mainloop(const WsShared& sh, XSource x, int s
 }
 
 // f(expert, start, nrows, item) for each item of this block that has rows: items blockIdx.x + gridDim.x j of
-// `items` (route block x column blocks); a persistent kernel's producers and consumers walk the same ones.
+// `items` (route block x column blocks); a persistent kernel's producers and consumers walk the same ones. The
+// unused route blocks are the table's last, so the walk ends at the first.
 template <class F>
 __device__ __forceinline__ void for_each_item(int items, int cblocks, const int* __restrict__ block_expert,
                                               const int* __restrict__ block_start, const int* __restrict__ offsets,
                                               int num_experts, F&& f) {
     for (int item = blockIdx.x; item < items; item += gridDim.x) {
         int expert, start, nrows;
-        if (route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
-            f(expert, start, nrows, item);
+        if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start, nrows))
+            break;
+        f(expert, start, nrows, item);
     }
 }
 #endif

@@ -27,7 +27,7 @@ moe_gate_up_ws(const int* __restrict__ block_expert, const int* __restrict__ blo
                 int expert, start, nrows;
                 if (!route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start,
                                  nrows))
-                    continue;
+                    break;   // the unused route blocks are the table's last
                 const int jt = (item % cblocks) * WS_TILES + producer_column(warp);
                 const int index = (q & 1) * num_experts + expert;
                 ws_produce_index(trellis_addr, k2, codebook, index, stride, num_stages, stage_addr, stage_k2,
@@ -108,6 +108,8 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
             int num_stages, const long long* __restrict__ stage_addr, const int* __restrict__ stage_k2,
             const int* __restrict__ stage_codebook, const float* __restrict__ stage_scale,
             const float* __restrict__ bias, int num_experts, int hidden, int inter, int blocks X_MAP_PARAM) {
+    let_dependents_launch();
+    const PrerequisiteOnExit chain{CHAIN_ON_EXIT && blockIdx.x == 0};
     extern __shared__ __align__(16) unsigned char smem[];
     const WsShared sh(smem);
     const int warp = threadIdx.x >> 5, cblocks = hidden / 128, items = blocks * cblocks;
@@ -126,15 +128,14 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
             const int lane = threadIdx.x & 31, row0 = consumer_row0() + (lane >> 2), t4 = lane & 3;
             Consumer consumer(X_ROWS(h_rot, 0, inter), sh.xs, sh.ring, sh.x_full, 0, 0);
             WsAcc acc;
-            // The first item with rows from `item` on (items if none), its first x chunk staged.
+            // Item `item` with its first x chunk staged, or items where it (and so every later one) has no rows.
             auto stage_next = [&](int item, int& expert, int& start, int& nrows) {
-                for (; item < items; item += gridDim.x)
-                    if (route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert,
-                                    start, nrows)) {
-                        consumer.retarget(X_ROWS(h_rot, 0, inter), sh.xs, start, nrows);
-                        consumer.stage_first(kt0);
-                        break;
-                    }
+                if (item >= items ||
+                    !route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start,
+                                 nrows))
+                    return items;
+                consumer.retarget(X_ROWS(h_rot, 0, inter), sh.xs, start, nrows);
+                consumer.stage_first(kt0);
                 return item;
             };
             int expert, start, nrows;
