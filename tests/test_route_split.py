@@ -149,3 +149,12 @@ def test_gpu_tables_and_cuda_graph_replay(tokens, top_k, num_experts):
         graph.replay()
         torch.cuda.synchronize()
         check_tables(ids, counts, offsets, tables, lengths)
+
+
+def test_the_choice_does_not_hang_on_the_cost_ratio():
+    """Any 192-row block cost from 1.05x to 1.5x a 128-row one chooses the blocks WIDE_COST : NARROW_COST does."""
+    def choice(rows, ratio):
+        pairs = [(max(0, -(-(rows - NARROW_ROWS * b) // WIDE_ROWS)), b) for b in range(rows // NARROW_ROWS + 2)]
+        return min(pairs, key=lambda p: (ratio * p[0] + p[1], p[1]))
+    for ratio in (1.05, 1.2, 1.45, 1.5):
+        assert all(choice(rows, ratio) == cheapest_split(rows) for rows in range(2000)), ratio

@@ -20,7 +20,8 @@ _COUNTERS = ("gate_up_counters", "down_counters")
 
 
 def split_layout(layout: list, wide_mma, capacity: int, num_experts: int, hidden: int, inter: int) -> list:
-    """`layout` (with the 128-row plan's "mma_" entries) plus the two tables and the 192-row kernels' counters; the partials, shared by both kernels (rows by sorted position), fit either plan."""
+    """`layout` (with the 128-row plan's "mma_" entries) plus the two tables and the 192-row kernels' counters; the
+    partials, shared by both kernels (rows by sorted position), fit either plan."""
     wide, narrow = route_split_max_blocks(capacity, num_experts)
     sizes = workspace_numels(wide_mma, capacity, wide, hidden, inter)
     names = {name for name, _, _ in layout}
