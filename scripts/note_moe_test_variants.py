@@ -120,3 +120,4 @@ os.environ.pop("EXL3MOE_MOE_X_TMA")
 os.environ.pop("EXL3MOE_MOE_WS_192")
 os.environ.pop("EXL3MOE_MOE_SPLIT_ROUTE")
 moe_mma.TARGET_WARPS = 4096
+moe_plan(q, 4096, 8, out_dtype=torch.float16)   # split route blocks under replay

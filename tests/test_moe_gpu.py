@@ -131,6 +131,34 @@ def test_replays_of_calls_whose_every_id_lives_elsewhere_between_ordinary_ones(q
         assert torch.equal(bits(out), expected)
 
 
+def test_split_route_blocks_under_replay_with_new_ids_and_ids_that_live_elsewhere(qwen3_layer):
+    """A captured call of split route blocks (4096 Qwen3 tokens, both kernels of each projection chained): replays
+    with new ids give fresh eager runs' bytes; one whose ids all lie outside [0, E) (both tables empty) writes zeros,
+    and the next replay with real ids gives the eager bytes again."""
+    T, top_k, H, E = 4096, QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
+    plan = moe_plan(qwen3_layer, T, top_k, out_dtype=torch.float16)
+    assert plan.wide_mma is not None and plan.wide_mma.split_peer == 2, "split route blocks, chained"
+    runner = plan.bind(plan.allocate())
+    x = (torch.randn(T, H, device="cuda") / 32).half()
+    real, weights = routing(T, E, top_k, 130)
+    ids = real.clone()
+    out = torch.empty(T, H, device="cuda", dtype=torch.float16)
+    runner.run(x, ids, weights, out)
+    assert_replays_give_eager_bytes(runner, x, ids, weights, out, (131, 132))
+    ids.copy_(real)
+    expected = bits(runner.run(x, real, weights, torch.empty_like(out))).clone()
+    graph = capture_allocation_free(lambda: runner.run(x, ids, weights, out), out)
+    for _ in range(2):
+        ids.fill_(E + 5)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.any()
+        ids.copy_(real)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(bits(out), expected)
+
+
 @pytest.mark.parametrize("T", [1, 16])
 def test_replays_with_a_shared_expert_give_eager_bytes(qwen3_layer, T):
     """A shared expert chained to the routed one (its gate/up after the routed down in packed plans, the routed
