@@ -235,8 +235,13 @@ def split_route_blocks(experts, slots: int, max_slots: int) -> bool:
     decoded once, one of up to 128 (or 193-256) rows pays for no 192-row block, one of 257-320 takes one of each.
     Only where wide_blocks_run and 128-row blocks are warp-specialized; EXL3MOE_MOE_SPLIT_ROUTE=0 keeps one size
     (wide_route_blocks)."""
-    return (slots >= SPLIT_MIN_ROWS * experts.num_experts and os.environ.get("EXL3MOE_MOE_SPLIT_ROUTE", "1") != "0"
+    return (slots >= split_min_slots(experts.num_experts) and os.environ.get("EXL3MOE_MOE_SPLIT_ROUTE", "1") != "0"
             and wide_blocks_run(experts, max_slots))
+
+
+def split_min_slots(num_experts: int) -> int:
+    """Fewest slots of a chunk whose experts split their rows (SPLIT_MIN_ROWS rows per expert on average)."""
+    return SPLIT_MIN_ROWS * num_experts
 
 
 def wide_blocks_run(experts, max_slots: int) -> bool:

@@ -39,9 +39,9 @@ from ..format.experts import ExpertSet, check_shared
 from ..kernels.moe_combine import moe_combine
 from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import (MAX_GRID_ROWS, SPLIT_MIN_ROWS, WIDE_BLOCK_M, check_ring_turns, direct_route,
-                                format_count, formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input,
-                                plan_moe_mma, projection_formats, split_route_blocks, supported, wide_blocks_run,
+from ..kernels.moe_mma import (MAX_GRID_ROWS, WIDE_BLOCK_M, check_ring_turns, direct_route, format_count,
+                                formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input, plan_moe_mma,
+                                projection_formats, split_min_slots, split_route_blocks, supported, wide_blocks_run,
                                 wide_route_blocks, workspace_numels)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
@@ -206,11 +206,11 @@ class MoEPlan:
         if self.staged_order:   # an order to rewrite when the stages change
             order = staged_first(self.tables.stage_scale, order)
         self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
-        # Chunks of SPLIT_MIN_ROWS rows per expert or more also run 192-row blocks (split_route_blocks).
+        # Chunks of split_min_slots or more also run 192-row blocks (split_route_blocks).
         split = split and self.mma is not None and self.mma.ws and self.mma.ws_down and self.mma.pre_rotate
         self.wide_mma = (plan_moe_mma(experts, max_tokens * top_k, WIDE_BLOCK_M, self.stage_formats, split_peer=2)
                          if split else None)
-        self.split_min_slots = SPLIT_MIN_ROWS * E
+        self.split_min_slots = split_min_slots(E)
         if self.mma is not None:
             # A direct plan's blocks are its slots (more than max_blocks when E < S).
             self._layout += _mma_layout("mma_", self.mma, S, max(S, max_blocks) if direct else max_blocks, H, I)
