@@ -128,14 +128,15 @@ moe_down_ws(const unsigned short* __restrict__ h_rot, float* __restrict__ y, con
             const int lane = threadIdx.x & 31, row0 = consumer_row0() + (lane >> 2), t4 = lane & 3;
             Consumer consumer(X_ROWS(h_rot, 0, inter), sh.xs, sh.ring, sh.x_full, 0, 0);
             WsAcc acc;
-            // Item `item` with its first x chunk staged, or items where it (and so every later one) has no rows.
+            // The first item with rows from `item` on (items if none), its first x chunk staged.
             auto stage_next = [&](int item, int& expert, int& start, int& nrows) {
-                if (item >= items ||
-                    !route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert, start,
-                                 nrows))
-                    return items;
-                consumer.retarget(X_ROWS(h_rot, 0, inter), sh.xs, start, nrows);
-                consumer.stage_first(kt0);
+                for (; item < items; item += gridDim.x)
+                    if (route_block(item / cblocks, block_expert, block_start, offsets, 0, num_experts, expert,
+                                    start, nrows)) {
+                        consumer.retarget(X_ROWS(h_rot, 0, inter), sh.xs, start, nrows);
+                        consumer.stage_first(kt0);
+                        break;
+                    }
                 return item;
             };
             int expert, start, nrows;
