@@ -324,3 +324,17 @@ def test_direct_stage_plans_read_the_first_stage_scale_ahead(monkeypatch):
     assert not scale_ahead(replace(direct, direct=False)), "packed plans read it after the base"
     monkeypatch.setenv("EXL3MOE_MOE_SCALE_AHEAD", "0")
     assert not scale_ahead(direct)
+
+
+def test_direct_stage_plans_ask_l2_for_the_stage_words_ahead(monkeypatch):
+    from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, stage_words_ahead
+
+    direct = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((4, 1),), 8, 16, 6, 8, False, True)
+    for name in ("moe_gate_up_mma", "moe_down_mma"):
+        assert ("STAGE_WORDS_AHEAD", 1) in kernel_source(direct, name)[0]
+    assert not stage_words_ahead(replace(direct, stage_formats=())), "no stages"
+    assert not stage_words_ahead(replace(direct, direct=False)), "packed plans leave them to the stage's mainloop"
+    assert "STAGE_WORDS_AHEAD" not in dict(kernel_source(replace(direct, direct=False), "moe_down_mma")[0])
+    monkeypatch.setenv("EXL3MOE_MOE_STAGE_WORDS_AHEAD", "0")
+    assert not stage_words_ahead(direct)
+    assert "STAGE_WORDS_AHEAD" not in dict(kernel_source(direct, "moe_gate_up_mma")[0])

@@ -311,6 +311,15 @@ def split_chain(device: torch.device) -> bool:
     return early_launch(device) and os.environ.get("EXL3MOE_MOE_SPLIT_CHAIN", "1") != "0"
 
 
+def stage_words_ahead(plan: MoeMmaPlan) -> bool:
+    """Direct stage plans ask L2 for the first stage's words of a block before its base mainloop (STAGE_WORDS_AHEAD),
+    where its scale is nonzero. Packed plans keep them for the stage's mainloop: there ptxas gives the kernels more
+    registers or stack with it, which cost more than the wait; EXL3MOE_MOE_STAGE_WORDS_AHEAD=0 keeps them
+    everywhere."""
+    return (bool(plan.stage_formats) and plan.direct
+            and os.environ.get("EXL3MOE_MOE_STAGE_WORDS_AHEAD", "1") != "0")
+
+
 def stage_blocks(plan: MoeMmaPlan) -> bool:
     """Packed 16-row stage plans of more than SMALL_CALL_SLOTS slots run the stages' passes in blocks of their own,
     after all the base's (z doubles), so that an expert with an active stage does not make the tail: the base's bytes
@@ -420,6 +429,7 @@ def kernel_source(plan: MoeMmaPlan, name: str) -> tuple:
     defines += (("SPLIT_INNER", 1),) if plan.split_inner else ()
     defines += (("STAGE_BLOCKS", 1),) if plan.stage_blocks else ()
     defines += (("SCALE_AHEAD", 1),) if scale_ahead(plan) else ()
+    defines += (("STAGE_WORDS_AHEAD", 1),) if stage_words_ahead(plan) else ()
     early = plan.early_down or plan.early_gate_up
     defines += (("EARLY_LAUNCH", 1),) if early and name in ("moe_gate_up_mma", "moe_down_mma") else ()
     defines += (("EARLY_GATE_UP", 1),) if plan.early_gate_up and name == "moe_gate_up_mma" else ()

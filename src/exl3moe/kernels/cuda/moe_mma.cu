@@ -68,6 +68,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     const int index = proj * num_experts + expert;
     const unsigned short* suh = reinterpret_cast<const unsigned short*>(suh_addr[index]);
     const float scale0 = first_stage_scale(num_stages, index, stage_scale);
+    const StageWords stage_words = first_stage_words(num_stages, index, stage_addr, stage_k2, stage_scale, warp);
     const SplitPass sp = split_pass(splits);
     const int kt0 = sp.split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, hidden / 16);
     const size_t split_stride = (size_t)2 * capacity * inter;
@@ -107,6 +108,7 @@ moe_gate_up_mma(const unsigned short* __restrict__ x, int x_bf16, int stride_x, 
     }
 
     auto stage = [&](int c0) {
+        if (c0 == kt0) prefetch_stage_words(stage_words, inter / 16, kt0, kt1, cblock * 8, lane);
 #if PRE_ROTATED
         // x_rot holds this projection's rotated rows (moe_rotate_input): copy the chunk, zero rows past the block's.
         copy_rows(xs, x_rot + (size_t)proj * capacity * hidden, start, nrows, hidden, c0);
@@ -235,6 +237,7 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int index = 2 * num_experts + expert;
     const float scale0 = first_stage_scale(num_stages, index, stage_scale);
+    const StageWords stage_words = first_stage_words(num_stages, index, stage_addr, stage_k2, stage_scale, warp);
     const SplitPass sp = split_pass(splits);
     const int kt0 = sp.split * ktiles_per_split, kt1 = min(kt0 + ktiles_per_split, inter / 16);
     const size_t split_stride = (size_t)capacity * hidden;
@@ -246,7 +249,10 @@ moe_down_mma(const unsigned short* __restrict__ h_rot, float* __restrict__ y, co
     const int jt0 = cblock * 8 + warp * NT, tiles_n = hidden / 16, mtiles = (nrows + 15) / 16;
 
     auto stage = [&](int c0) {   // h_rot rows: rotated input, once gate/up has written them
-        if (c0 == kt0) wait_for_prerequisite_grid();
+        if (c0 == kt0) {
+            prefetch_stage_words(stage_words, tiles_n, kt0, kt1, cblock * 8, lane);
+            wait_for_prerequisite_grid();
+        }
         copy_rows(xs, h_rot, start, nrows, inter, c0);
         if (c0 == kt0) TRACE_MARK(1);
     };

@@ -237,6 +237,33 @@ __device__ __forceinline__ float first_stage_scale(int num_stages, int index, co
     return SCALE_AHEAD && num_stages > 0 ? __ldg(scale + index) : 0.f;
 }
 
+#ifndef STAGE_WORDS_AHEAD
+#define STAGE_WORDS_AHEAD 0   // 1 (direct stage plans): a block's first-stage words asked of L2 before its mainloop
+#endif
+// The first stage's scale, trellis words and lines per k-tile row (8 tiles of 32 K bytes: k2 = 2 K lines of 128
+// bytes) at `index`, read at a block's start by its last warp alone (the others get none).
+struct StageWords {
+    const char* words;
+    int lines;
+    float scale;
+};
+__device__ __forceinline__ StageWords first_stage_words(int num_stages, int index, const long long* __restrict__ addr,
+                                                        const int* __restrict__ k2, const float* __restrict__ scale,
+                                                        int warp) {
+    if (!STAGE_WORDS_AHEAD || num_stages == 0 || warp != WARPS - 1) return {nullptr, 0, 0.f};
+    return {reinterpret_cast<const char*>(__ldg(addr + index)), __ldg(k2 + index), __ldg(scale + index)};
+}
+
+// L2 asked for the first stage's words of k-tiles [kt0, kt1) x tile columns [jt0, jt0 + 8) when its scale is
+// nonzero, so that the stage's mainloop after the base's finds them there.
+__device__ __forceinline__ void prefetch_stage_words(StageWords w, int tiles_n, int kt0, int kt1, int jt0, int lane) {
+    if (w.words == nullptr || w.scale == 0.f) return;
+    for (int i = lane; i < (kt1 - kt0) * w.lines; i += 32) {
+        const size_t tile = (size_t)(kt0 + i / w.lines) * tiles_n + jt0;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(w.words + tile * 16 * w.lines + 128 * (i % w.lines)));
+    }
+}
+
 // acc += scale x (xs @ R) for each stage with a nonzero scale at index + s x stride, computed as
 // scale x (acc / scale + xs @ R) so no second accumulator is live; run(words, key) runs one mainloop. scale0: the
 // first stage's scale (first_stage_scale).
