@@ -8,7 +8,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
-from moe import SHAPES, random_layer, routings  # noqa: E402
+from moe import SHAPES, random_layer, routings, stage_layers  # noqa: E402
 
 from exl3moe.kernels import moe_mma  # noqa: E402
 from exl3moe.kernels.moe_experts import moe_gate_up  # noqa: E402
@@ -40,6 +40,8 @@ def main(args):
         layer = random_experts(E, hidden_size, inter, K=4, codebook="mcg")
     else:
         layer = random_layer(hidden_size, inter, E, args.Ks or [args.K], args.codebook, gen, args.contiguous)
+        if args.stage:   # a Qwen3 K4 stage layer of bench/moe.py instead
+            layer = stage_layers(args.codebook, gen)[args.stage]
     if args.target_warps:
         moe_mma.TARGET_WARPS = args.target_warps
     if args.direct_max_slots is not None:
@@ -71,6 +73,7 @@ def main(args):
         splits = (plan.mma.gate_up_splits, plan.mma.down_splits) if plan.mma else plan.gate_up_splits
         line += f" (block_m {plan.block_m}, splits {splits})"
         layout = " contiguous" if args.contiguous else ""
+        layout += f" {args.stage}" if args.stage else ""
         print(f"{args.shape} K{args.Ks or args.K}{layout} T={T:5d} whole {whole:8.1f} us | {line}", flush=True)
 
 
@@ -86,6 +89,7 @@ if __name__ == "__main__":
     ap.add_argument("--slot-capacity", type=int, default=None, help="workspace slots per chunk (moe_plan's)")
     ap.add_argument("--target-warps", type=int, default=None, help="CUDA experts' split target (moe_mma.TARGET_WARPS)")
     ap.add_argument("--direct-max-slots", type=int, default=None, help="moe_mma.DIRECT_MAX_SLOTS (0: always pack)")
+    ap.add_argument("--stage", default=None, help="a Qwen3 K4 stage layer (bench/moe.py stage_layers): zero-stage...")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--once", action="store_true", help="run the layer once, time nothing (WS_TRACE builds)")
     main(ap.parse_args())
