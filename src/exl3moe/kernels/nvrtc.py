@@ -9,6 +9,7 @@ rebuild the cache for newer sources (rebuild_variants, scripts/warm_cache.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import functools
 import hashlib
@@ -135,21 +136,30 @@ def record_variant(file: str, defines: dict, prelude: str, arch: str) -> None:
         _write_atomically(path, entry.encode())
 
 
-def rebuild_variants() -> tuple:
-    """Compile every noted variant against the current sources into the cache: (compiled, already cached)."""
+def _rebuild_entry(entry: dict) -> bool:
+    """Compile one noted variant into the cache unless it is there: True when it compiled."""
+    text = entry["prelude"] + source(entry["file"])
+    if _cached(cubin_path(text, entry["defines"], entry["arch"])) is not None:
+        return False
+    cached_cubin(text, entry["defines"], entry["arch"])
+    return True
+
+
+def rebuild_variants(workers: int = 1) -> tuple:
+    """Compile every noted variant against the current sources into the cache, over `workers` processes:
+    (compiled, already cached)."""
     directory = cache_dir()
     variants = os.path.join(directory, "variants") if directory else ""
-    compiled = cached = 0
+    entries = []
     for name in sorted(os.listdir(variants)) if os.path.isdir(variants) else []:
         with open(os.path.join(variants, name)) as fh:
-            entry = json.load(fh)
-        text = entry["prelude"] + source(entry["file"])
-        if _cached(cubin_path(text, entry["defines"], entry["arch"])) is not None:
-            cached += 1
-            continue
-        cached_cubin(text, entry["defines"], entry["arch"])
-        compiled += 1
-    return compiled, cached
+            entries.append(json.load(fh))
+    if workers > 1:
+        with concurrent.futures.ProcessPoolExecutor(workers) as pool:
+            done = list(pool.map(_rebuild_entry, entries))
+    else:
+        done = [_rebuild_entry(entry) for entry in entries]
+    return sum(done), len(done) - sum(done)
 
 
 def source(file: str, included: set | None = None, directory: str | None = None) -> str:
