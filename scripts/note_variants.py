@@ -18,6 +18,10 @@ from exl3moe.ops.moe import moe_plan  # noqa: E402
 
 LINEAR_SHAPES = [(4096, 14336), (14336, 4096), (2048, 768), (768, 2048), (4096, 1408), (1408, 4096)]
 LINEAR_RATES = [(K, cb) for K in (2, 3, 4, 6, 8) for cb in ("mcg", "mul1", "3inst")]
+# The linear GPU tests' shapes, at every rate (tests/test_linear_gpu.py, tests/test_linear_rates_gpu.py).
+TEST_SHAPES = [(2048, 768), (4096, 1408)]
+ALL_RATES = [(K, cb) for cb in ("3inst", "mcg", "mul1") for K in range(1, 9)] + [(1.5, "mul1"), (2.5, "mul1"),
+                                                                                  (3.5, "mul1")]
 
 
 def pretend_sm90() -> None:
@@ -64,6 +68,8 @@ def main(moe_only: bool = False) -> None:
     for (k, n), (K, cb) in ((s, r) for s in ([] if moe_only else LINEAR_SHAPES) for r in LINEAR_RATES):
         for rows in (1, 8, 32, 128, 512):
             LinearPlan(weight(k, n, K, cb), rows)
+    for (k, n), (K, cb) in ((s, r) for s in ([] if moe_only else TEST_SHAPES) for r in ALL_RATES):
+        LinearPlan(weight(k, n, K, cb), 512)   # every fused variant, and the dense path's
     for name, (hidden, inter, E, top_k) in SHAPES.items():
         for Ks in LAYERS.values():
             experts = layer(hidden, inter, E, Ks)

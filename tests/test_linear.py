@@ -1,18 +1,20 @@
 """The linear op on the CPU: Triton kernels under the interpreter, and the torch path, against float64."""
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
 
 import exl3moe
-from exl3moe import ContractError, reference
+from exl3moe import ContractError, decode, reference
 from exl3moe.kernels.hadamard import hadamard128
 from exl3moe.kernels.trellis_decode import trellis_decode
-from exl3moe.ops.linear import LinearPlan, LinearTiles, linear, plan_tiles
+from exl3moe.ops.linear import LinearPlan, LinearTiles, cached_runner, linear, plan_tiles
 from exl3moe.ops.modules import EXL3Linear
 
-from helpers import random_weight
+from helpers import random_trellis, random_weight
 
 COMBOS = [(K, cb) for cb in ("3inst", "mcg", "mul1") for K in range(1, 9)] + [(1.5, "mul1"), (2.5, "mul1"),
                                                                              (3.5, "mul1")]
@@ -39,12 +41,17 @@ def test_every_codebook_and_rate_at_every_row_count(K, codebook):
 
 
 @interpreted
-def test_decode_kernel_is_bit_exact():
-    for K, codebook in [(3, "3inst"), (2.5, "mul1"), (7, "mcg")]:
-        w = random_weight(128, 384, K, codebook)
-        out = torch.full((128, 384), float("nan"), dtype=torch.float16)
-        trellis_decode(w.trellis, K, codebook, out)
-        assert torch.equal(out.view(torch.int16), w.inner().view(torch.int16))
+@pytest.mark.parametrize("K,codebook", COMBOS)
+def test_decode_kernel_is_bit_exact_at_every_rate_and_dtype(K, codebook):
+    trellis = random_trellis(32, 128, K, torch.Generator().manual_seed(int(K * 10)))
+    expected = decode(trellis, K, codebook)
+    toward_zero = (expected.float().view(torch.int32) >> 16).to(torch.int16)   # the interpreter's cast to bf16
+    for dtype, bits in ((torch.float16, expected.view(torch.int16)),
+                        (torch.float32, expected.float().view(torch.int32)),
+                        (torch.bfloat16, toward_zero)):   # a GPU rounds bf16 to nearest even (test_linear_gpu.py)
+        out = torch.full((32, 128), float("nan"), dtype=dtype)
+        trellis_decode(trellis, K, codebook, out)
+        assert torch.equal(out.view(bits.dtype), bits), dtype
 
 
 @interpreted
@@ -67,6 +74,18 @@ def test_row_bytes_do_not_depend_on_batch():
     full = linear(x, w)
     for rows in (1, 2, 15, 16, 17, 33):
         assert torch.equal(linear(x[:rows], w).view(torch.int16), full[:rows].view(torch.int16)), rows
+
+
+@interpreted
+@pytest.mark.parametrize("K,codebook", [(3, "mcg"), (2.5, "mul1")])
+def test_row_bytes_do_not_depend_on_batch_up_to_128_rows(K, codebook):
+    w = random_weight(128, 256, K, codebook, bias=True, generator=torch.Generator().manual_seed(2))
+    x = inputs(128, 128, 2)
+    full = linear(x, w).view(torch.int16)
+    for rows in (40, 65, 100):
+        assert torch.equal(linear(x[:rows], w).view(torch.int16), full[:rows]), rows
+    for row in (0, 39, 64, 99, 127):
+        assert torch.equal(linear(x[row:row + 1], w).view(torch.int16), full[row:row + 1]), row
 
 
 def test_split_depends_on_shape_only():
@@ -131,6 +150,68 @@ def test_contract_errors_name_the_argument():
             call()
         assert err.value.name == name and rule in str(err.value), (name, rule, str(err.value))
     assert runner.run(inputs(4, 128, 0), good_out) is good_out
+
+
+def test_input_needs_a_unit_last_dim_stride_at_every_row_count():
+    w = random_weight(128, 256, 4, "mcg")
+    plan = LinearPlan(w, 4)
+    runner = plan.bind(plan.allocate())
+    strided = torch.randn(256).half()[::2]
+    for x in (strided, strided.view(1, 128), torch.randn(128, 2).half()[:, 0][None], torch.randn(128, 3).half().t()):
+        for call in (lambda: linear(x, w), lambda: runner.run(x, torch.empty(*x.shape[:-1], 256).half()),
+                     lambda: EXL3Linear(w, 4)(x)):
+            with pytest.raises(ContractError) as err:
+                call()
+            assert err.value.name == "x" and "last-dim stride 1" in str(err.value), str(err.value)
+
+
+def test_bad_out_or_x_raises_before_any_plan_or_launch(monkeypatch):
+    w = random_weight(128, 256, 4, "mcg")
+    module = EXL3Linear(w, 8)
+
+    def never(*args, **kwargs):
+        raise AssertionError("planned, allocated or bound before validating")
+
+    for name in ("__init__", "bind", "allocate"):
+        monkeypatch.setattr(LinearPlan, name, never)
+    x, out = inputs(4, 128, 0), torch.empty(4, 256, dtype=torch.float16)
+    bad_outs = [(torch.empty(4, 255, dtype=torch.float16), "shape"), (torch.empty(2, 2, 256).half(), "shape"),
+                (torch.empty(4, 256, dtype=torch.int32), "dtype"), (torch.empty(256, 4).half().t(), "contiguous")]
+    bad_xs = [(torch.randn(4, 128), "dtype"), (torch.randn(256).half()[::2], "stride 1"),
+              (inputs(4, 64, 0), "in_features")]
+    cases = [(call, bad, "out", rule) for bad, rule in bad_outs for call in (lambda b: linear(x, w, out=b),
+                                                                             lambda b: module(x, out=b))]
+    cases += [(call, bad, "x", rule) for bad, rule in bad_xs for call in (lambda b: linear(b, w, out=out),
+                                                                          lambda b: module(b, out=out))]
+    for call, bad, name, rule in cases:
+        with pytest.raises(ContractError) as err:
+            call(bad)
+        assert err.value.name == name and rule in str(err.value), (name, rule, str(err.value))
+
+
+@interpreted
+def test_calls_with_out_reuse_one_cached_plan_and_shared_workspace(monkeypatch):
+    w = random_weight(128, 256, 4, "mcg", bias=True, generator=torch.Generator().manual_seed(6))
+    same_layout = random_weight(128, 256, 4, "mcg", generator=torch.Generator().manual_seed(7))
+    x = inputs(300, 128, 6)
+    expected = {rows: linear(x[:rows], w) for rows in (1, 100, 200, 300)}
+    out = torch.full((300, 256), float("nan"), dtype=torch.float16)
+    linear(x[:1], w, out=out[:1])
+    runner = cached_runner(w, 1)
+    assert runner.plan.max_rows == 128 and runner.plan.weight is not w and runner.plan.weight.trellis is w.trellis
+    assert cached_runner(same_layout, 1).workspace is runner.workspace, "one workspace per device and layout"
+    planned, plan_init = [], LinearPlan.__init__
+    monkeypatch.setattr(LinearPlan, "__init__", lambda plan, w, max_rows, tiles=None: (
+        planned.append(max_rows), plan_init(plan, w, max_rows, tiles))[1])
+    for rows, plans in ((1, []), (100, []), (300, [512]), (200, [512])):
+        buffer = out[:rows]
+        assert linear(x[:rows], w, out=buffer) is buffer and planned == plans, rows
+        assert torch.equal(buffer.view(torch.int16), expected[rows].view(torch.int16)), rows
+    assert cached_runner(w, 1).plan.max_rows == 512
+    alive = weakref.ref(w)
+    del w
+    gc.collect()
+    assert alive() is None, "the cache keeps no weight alive"
 
 
 @interpreted

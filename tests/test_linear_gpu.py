@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from exl3moe import EXL3Weight
+from exl3moe import ContractError, EXL3Weight
 from exl3moe.format.weight import decode
 from exl3moe.kernels.trellis_mma import decode_dense
 from exl3moe.ops.linear import LinearPlan, linear
+from exl3moe.ops.modules import EXL3Linear
 from helpers import capture_allocation_free
 
 pytestmark = pytest.mark.gpu
@@ -69,6 +70,72 @@ def test_graph_capture_and_replay_allocates_nothing(k, n, K, codebook, rows):
     torch.cuda.synchronize()
     assert rel_l2(out, x.double() @ w.dense(torch.float64) + w.bias.double()) < 2e-3
     assert torch.equal(out, linear(x, w))
+
+
+def allocations() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.memory_stats()["allocation.all.allocated"]
+
+
+def test_bad_out_or_x_raises_before_allocating():
+    w = make_weight(2048, 768, 4, "mcg", seed=41)
+    module = EXL3Linear(w, 8)
+    x, out = torch.randn(4, 2048, device="cuda").half(), torch.empty(4, 768, device="cuda").half()
+    bad_outs = [torch.empty(4, 767, device="cuda").half(), torch.empty(4, 768, device="cuda", dtype=torch.int32),
+                torch.empty(768, 4, device="cuda").half().t(), torch.empty(4, 768).half()]
+    bad_xs = [x.float(), torch.randn(4096, device="cuda").half()[::2], x[:, :1024], x.cpu()]
+    cases = [(lambda b=b: linear(x, w, out=b), "out") for b in bad_outs]
+    cases += [(lambda b=b: module(x, out=b), "out") for b in bad_outs]
+    cases += [(lambda b=b: linear(b, w, out=out), "x") for b in bad_xs]
+    cases += [(lambda b=b: module(b, out=out), "x") for b in bad_xs]
+    before = allocations()
+    for call, name in cases:
+        with pytest.raises(ContractError) as err:
+            call()
+        assert err.value.name == name, str(err.value)
+    assert allocations() == before, "validation allocated, so it ran after a plan, bind or launch"
+
+
+def replays_new_inputs(call, x, out, w):
+    """Capture `call` (after one capture that gives cuBLAS its capture-stream workspace), replay it on new inputs
+    copied into x over a NaN-filled out, and check it gives the bytes of an uncaptured call."""
+    first = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(first):
+        call()
+    graph = capture_allocation_free(call, out)
+    x.copy_(torch.randn(*x.shape, device="cuda").half())
+    expected = linear(x, w)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert rel_l2(out, x.double() @ w.dense(torch.float64) + w.bias.double()) < 2e-3
+
+
+@pytest.mark.parametrize("k,n,K,codebook,rows", [(4096, 1408, 4, "mul1", 1), (4096, 1408, 3, "mcg", 37),
+                                                 (2048, 768, 2.5, "mul1", 128), (2048, 768, 4, "mcg", 300)])
+def test_linear_with_out_allocates_nothing_after_one_call_and_replays(k, n, K, codebook, rows):
+    w = make_weight(k, n, K, codebook, seed=43)
+    x = torch.randn(rows, k, device="cuda").half()
+    out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
+    linear(x, w, out=out)   # plans once for this weight and binds the shared workspace
+    before = allocations()
+    assert linear(x, w, out=out) is out
+    assert allocations() == before
+    replays_new_inputs(lambda: linear(x, w, out=out), x, out, w)
+
+
+@pytest.mark.parametrize("k,n,K,codebook,rows", [(4096, 1408, 4, "mcg", 1), (2048, 768, 3, "mul1", 100)])
+def test_module_forward_with_out_replays(k, n, K, codebook, rows):
+    w = make_weight(k, n, K, codebook, seed=47)
+    module = EXL3Linear(w, 128)
+    x = torch.randn(rows, k, device="cuda").half()
+    out = torch.empty(rows, n, device="cuda", dtype=torch.float16)
+    module(x, out=out)
+    before = allocations()
+    assert module(x, out=out) is out
+    assert allocations() == before
+    replays_new_inputs(lambda: module(x, out=out), x, out, w)
 
 
 ALL_RATES = [(K, cb) for cb in ("3inst", "mcg", "mul1") for K in range(1, 9)] + [(1.5, "mul1"), (2.5, "mul1"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from ..kernels.trellis_mma import (call_kernel, counter_count, decode_dense, den
                                    fuses_rotation, plan_mma, prefetch_for, reduce_kernel, rotate_input, rotate_kernel,
                                    linear_chains, trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel,
                                    ws_paired, ws_x_tma, late_rotation)
+from .workspaces import workspace_for
 
 MAX_FUSED_ROWS = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
@@ -81,8 +84,9 @@ def check_input(x: torch.Tensor, w: EXL3Weight, name: str = "x") -> torch.Tensor
         x2 = x.view(-1, w.in_features)
     except RuntimeError:
         raise ContractError(name, "must be viewable as [rows, k] with contiguous rows") from None
-    if x2.shape[0] > 1 and x2.stride(1) != 1:
-        raise ContractError(name, "must be viewable as [rows, k] with contiguous rows (last-dim stride 1)")
+    if x2.stride(1) != 1:
+        raise ContractError(name, f"must be viewable as [rows, k] with contiguous rows (last-dim stride 1, got "
+                                  f"{x2.stride(1)})")
     return x2
 
 
@@ -165,7 +169,7 @@ class LinearPlan:
         if counters is not None:
             counters.zero_()
         dense = views.pop() if self.dense_path else None
-        return LinearRunner(self, *views, dense=dense, counters=counters)
+        return LinearRunner(self, *views, dense=dense, counters=counters, workspace=workspace)
 
     @property
     def device(self) -> torch.device:
@@ -184,8 +188,9 @@ class LinearRunner:
     """A plan bound to a workspace. `run` launches kernels only: no allocation, no host sync."""
 
     def __init__(self, plan: LinearPlan, xh: torch.Tensor, partials: torch.Tensor, dense: torch.Tensor | None = None,
-                 counters: torch.Tensor | None = None):
+                 counters: torch.Tensor | None = None, workspace: torch.Tensor | None = None):
         self.plan = plan
+        self.workspace = workspace   # the bytes the views below are carved from
         self._xh = xh
         self._partials = partials
         self._dense = dense
@@ -273,15 +278,52 @@ def linear_plan(w: EXL3Weight, max_rows: int, tiles: LinearTiles | None = None) 
     return LinearPlan(w, max_rows, tiles)
 
 
+# weight -> the runner that linear(x, w, out=...) reuses; its plan is made for a shallow copy of w, so an entry holds
+# no reference to its key and goes with the weight.
+_CACHED_RUNNERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def cached_rows(rows: int) -> int:
+    """max_rows of a cached plan: MAX_FUSED_ROWS, or the power of two at or above a larger call's rows."""
+    return block_rows(max(rows, MAX_FUSED_ROWS))
+
+
+def cached_runner(w: EXL3Weight, rows: int) -> LinearRunner:
+    """The runner cached for w (identity), planned again where w's tensors or device, the backend, or a call of more
+    rows than planned changes it; bound to the workspace shared by plans of its layout on its device."""
+    runner = _CACHED_RUNNERS.get(w)
+    plan = runner.plan if runner is not None else None
+    if (plan is None or rows > plan.max_rows or plan.device != w.device or not _same_tensors(plan.weight, w)
+            or (plan.mma is not None) != nvrtc.available(w.device)):
+        plan = LinearPlan(copy.copy(w), cached_rows(rows))
+        runner = _CACHED_RUNNERS[w] = plan.bind(workspace_for(plan, share=True))
+    return runner
+
+
+def _same_tensors(a: EXL3Weight, b: EXL3Weight) -> bool:
+    return (a.codebook == b.codebook and a.trellis is b.trellis and a.suh is b.suh and a.svh is b.svh
+            and a.bias is b.bias)
+
+
 def linear(x: torch.Tensor, w: EXL3Weight, out: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """y = x @ W + bias for an EXL3 weight; x fp16/bf16 [..., k]; output x's dtype unless out/out_dtype say."""
+    """y = x @ W + bias for an EXL3 weight; x fp16/bf16 [..., k]; output x's dtype unless out/out_dtype say.
+
+    Without `out` a call plans and allocates. With `out`, calls reuse a plan cached per weight (for up to 128 rows,
+    more as calls need) bound to the workspace shared by plans of its layout on its device (so do not overlap them
+    on concurrent streams): after one call, a call of no more planned rows allocates nothing, never syncs with the
+    host and can be captured in a CUDA graph. cuBLAS (above 128 rows) takes its own workspace the first time it runs on
+    a stream, so capture such a call after one run on the capture stream (or capture twice).
+    """
     _check_weight(w)
     x2 = check_input(x, w)
-    if out is None:
-        dtype = out_dtype or x.dtype
-        if dtype not in OUTPUT_DTYPES:
-            raise ContractError("out_dtype", f"must be float16, bfloat16 or float32, got {dtype}")
-        out = torch.empty(*x.shape[:-1], w.out_features, dtype=dtype, device=x.device)
-    plan = LinearPlan(w, max(1, x2.shape[0]))
+    rows = x2.shape[0]
+    if out is not None:
+        check_output(out, rows, w, tuple(x.shape[:-1]))
+        return cached_runner(w, rows).run(x, out)
+    dtype = out_dtype or x.dtype
+    if dtype not in OUTPUT_DTYPES:
+        raise ContractError("out_dtype", f"must be float16, bfloat16 or float32, got {dtype}")
+    out = torch.empty(*x.shape[:-1], w.out_features, dtype=dtype, device=x.device)
+    plan = LinearPlan(w, max(1, rows))
     return plan.bind(plan.allocate()).run(x, out)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..format.weight import EXL3Weight
-from .linear import LinearPlan, check_input
+from .linear import LinearPlan, check_input, check_output
 from .workspaces import workspace_for
 
 
@@ -49,6 +49,8 @@ class EXL3Linear(nn.Module):
         rows = check_input(x, self.weight).shape[0]
         if out is None:
             out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+        else:
+            check_output(out, rows, self.weight, tuple(x.shape[:-1]))   # before the first call binds the workspace
         return self._runner_for(max(rows, 1)).run(x, out)
 
     def extra_repr(self) -> str:
