@@ -29,7 +29,8 @@ def plot_linear(doc):
     fig, ax = plt.subplots(figsize=(8, 5))
     for (k, n, cb, K) in [(4096, 14336, "mcg", 2), (4096, 14336, "mcg", 4), (4096, 14336, "mul1", 4),
                           (4096, 14336, "mcg", 6)]:
-        rows = [r for r in doc["results"] if (r["k"], r["n"], r["codebook"], r["K"]) == (k, n, cb, K)]
+        rows = sorted((r for r in doc["results"] if (r["k"], r["n"], r["codebook"], r["K"]) == (k, n, cb, K)),
+                      key=lambda r: r["rows"])
         line, = ax.plot([r["rows"] for r in rows], [r["trellis_GBps"] for r in rows], "o-", label=f"exl3moe {cb} K{K}")
         anchor = EXL3_LINEAR.get((k, n, cb, K), {})
         ax.plot(list(anchor), [k * n * K / 8 / us / 1e3 for us in anchor.values()], "x--", color=line.get_color(),
@@ -44,7 +45,8 @@ def plot_linear(doc):
 def plot_moe(doc):
     fig, axes = plt.subplots(1, 2, figsize=(12, 5))
     for ax, shape in zip(axes, ("qwen3-30b-a3b", "glm-4.5-air")):
-        res = [r for r in doc["results"] if r["shape"] == shape and "stages" not in r and "shared" not in r]
+        res = sorted((r for r in doc["results"] if r["shape"] == shape and "stages" not in r and "shared" not in r),
+                     key=lambda r: r["tokens"])   # results are stored in the order they were measured
         for K in dict.fromkeys(r["K"] for r in res):
             sel = [r for r in res if r["K"] == K]
             kernels = sel[0].get("experts", "triton")
