@@ -121,3 +121,19 @@ os.environ.pop("EXL3MOE_MOE_WS_192")
 os.environ.pop("EXL3MOE_MOE_SPLIT_ROUTE")
 moe_mma.TARGET_WARPS = 4096
 moe_plan(q, 4096, 8, out_dtype=torch.float16)   # split route blocks under replay
+sys.path.insert(0, "tests")
+from test_moe_coverage import INTEGER_WIDTHS, INTEGER_WIDTH_CODEBOOKS, projection_experts
+per_projection = projection_experts(lambda k, n, K, cb, name: w(k, n, K, cb), 128, 2048, 768)
+for T in (1, 16, 300):   # gate, up and down of one expert in their own formats
+    moe_plan(per_projection, T, 8)
+widths = experts(128, 2048, 768, INTEGER_WIDTHS, INTEGER_WIDTH_CODEBOOKS)
+for T in (1, 4, 64, 300):   # every integer width in one layer
+    moe_plan(widths, T, 8)
+for T, capacity, block_m in ((600, 2048, None), (600, 2048, 128), (2048, None, None)):   # every token on one expert
+    chunked = moe_plan(q, T, 8, slot_capacity=capacity, block_m=block_m, out_dtype=torch.float16)
+    if chunked.chunk_tokens < T:
+        moe_plan(q, T, 8, block_m=chunked.block_m)
+k4 = experts(128, 2048, 768, [4], ["mcg"])
+for T in (1, 2, 1024):   # stage swaps under one captured graph: direct and warp-specialized plans (test_stages_gpu)
+    moe_plan(k4, T, 8, out_dtype=torch.float16, stage_capacity=2, max_stage_bits=2)
+moe_plan(q, 16, 8, out_dtype=torch.float16, stage_capacity=2, max_stage_bits=3, stage_codebooks=["mcg", "mul1"])

@@ -98,7 +98,7 @@ def _decode_block(words, k2, codebook, row0, col_block, tiles_n, DK: tl.constexp
 def _project(acc, x, words, k2, codebook, index, row0, col_block, tiles_n,
              stage_addr_ptr, stage_k2_ptr, stage_codebook_ptr, stage_scale_ptr, stage_stride,
              NUM_STAGES: tl.constexpr, DK: tl.constexpr, WPAD: tl.constexpr, USE_ASM: tl.constexpr):
-    """acc += x [BM, DK] fp16 @ (W_inner + sum_s scale_s R_s)[row0 : row0 + DK, column block]."""
+    """acc += x [BM, DK] fp16 @ (W_inner + sum_s scale_s R_s)[row0 : row0 + DK, column block], scales in fp32."""
     acc = tl.dot(x, _decode_block(words, k2, codebook, row0, col_block, tiles_n, DK, WPAD, USE_ASM), acc)
     for s in tl.static_range(NUM_STAGES):
         scale = tl.load(stage_scale_ptr + s * stage_stride + index)
@@ -106,7 +106,8 @@ def _project(acc, x, words, k2, codebook, index, row0, col_block, tiles_n,
             r_words, r_k2, r_codebook = _entry(stage_addr_ptr, stage_k2_ptr, stage_codebook_ptr,
                                                s * stage_stride + index)
             r = _decode_block(r_words, r_k2, r_codebook, row0, col_block, tiles_n, DK, WPAD, USE_ASM)
-            acc = tl.dot(x, (r.to(tl.float32) * scale).to(tl.float16), acc)
+            # acc = scale (acc / scale + x R), in fp32 as the CUDA kernels: R stays fp16, so no scale overflows it
+            acc = tl.dot(x, r, acc / scale) * scale
     return acc
 
 

@@ -28,7 +28,6 @@ sizes.
 
 from __future__ import annotations
 
-import os
 from functools import partial
 
 import torch
@@ -48,7 +47,8 @@ from ..kernels.trellis_decode import interpreting
 from .tables import MoETables, build_tables, check_expert_set
 from .moe_split import split_layout, split_launches
 from .moe_torch import moe_torch
-from .stage_limits import residual_codebooks, stage_codebook_set, stage_k2_limit, widest_residual_k2
+from .stage_limits import stage_codebook_set, stage_k2_limit
+from .stage_tables import caller_stage_tables, stage_set_tables, staged_first, write_stage_tables
 
 # Slots per chunk by default: 4096 top-8 tokens, ~256 rows per expert at E = 128 (each expert's tiles decoded
 # for more rows at a time); the workspace is then ~750 MB for Qwen3-30B-A3B, ~1.5 GB for GLM-4.5-Air.
@@ -103,18 +103,6 @@ def format_order(experts: ExpertSet) -> list | None:
     formats = [f for f in projection_formats(experts) if f]
     keys = [tuple(f[e] for f in formats) for e in range(experts.num_experts)]
     return sorted(range(experts.num_experts), key=keys.__getitem__) if len(set(keys)) > 1 else None
-
-
-def staged_first(stage_scale: torch.Tensor, order: list | None) -> list:
-    """`order` (or 0..E-1) with the experts that have a nonzero scale in the stage table (float32 [S, 3, E], as the
-    kernels read it) moved first, stably. Route blocks that run base and stages one after the other are the long
-    ones, so they start first; with stage blocks, the stage half of the grid starts with the blocks that work and ends
-    with those that exit. EXL3MOE_MOE_STAGED_FIRST=0 keeps `order`."""
-    active = (stage_scale.detach().cpu() != 0).flatten(0, 1).any(0).tolist()
-    order = list(range(len(active))) if order is None else order
-    if os.environ.get("EXL3MOE_MOE_STAGED_FIRST", "1") == "0":
-        return order
-    return sorted(order, key=lambda e: not active[e])
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -182,7 +170,7 @@ class MoEPlan:
         cuda = cuda and route_pack_max_blocks(self.slot_capacity, E, cuda_block_m) <= rows
         self.block_m = cuda_block_m if cuda else block_m or route_block_rows(self.slot_capacity, E)
         self.shared_block_m = route_block_rows(self.chunk_tokens, 1)
-        order = format_order(experts)
+        order = self.base_order = format_order(experts)   # the order staged_first starts from
         self.decode_k = decode_k or (INTERPRET_DECODE_K if interpreting() else GPU_DECODE_K)
         H, I, S = experts.hidden_size, experts.intermediate_size, self.slot_capacity
         self.gate_up_splits = gate_up_splits(max_tokens * top_k, E, H, I)
@@ -279,33 +267,27 @@ class MoEPlan:
         plan's (`stage_codebooks`, else its stages', else mcg), and biases only where the plan has bias tables.
         Call between replays, not while one runs; the plan keeps the new stages alive.
         """
-        if not isinstance(stages, (list, tuple)):
-            raise ContractError("stages", f"must be a list of ResidualStage, got {type(stages).__name__}")
-        t = self.tables
-        if len(stages) > t.num_stages:
-            raise ContractError("stages", f"{len(stages)} stages exceed the plan's capacity of {t.num_stages} "
-                                "(moe_plan(..., stage_capacity=...))")
-        base = self.experts
-        swapped = ExpertSet(base.gate, base.up, base.down, base.activation, base.limit, list(stages), base.name)
-        new = build_tables(swapped, stage_capacity=t.num_stages)
-        widest = widest_residual_k2(stages)
-        if widest > self.stage_max_k2:
-            raise ContractError("stages", f"a residual of K={widest / 2:g} is wider than the plan allows "
-                                f"(K={self.stage_max_k2 / 2:g}; moe_plan(..., max_stage_bits=...))")
-        outside = residual_codebooks(stages) - set(self.stage_codebooks)
-        if outside:
-            raise ContractError("stages", f"residual codebooks {sorted(outside)} are outside the plan's "
-                                f"{list(self.stage_codebooks)} (moe_plan(..., stage_codebooks=...))")
-        for field in ("bias_gate_up", "bias_down"):
-            if (getattr(new, field) is None) != (getattr(t, field) is None):
-                raise ContractError(f"stages.{field}", "residual biases must match the plan's bias tables "
-                                    "(present in both or in neither)")
-        for field in ("stage_addr", "stage_k2", "stage_codebook", "stage_scale", "bias_gate_up", "bias_down"):
-            if getattr(t, field) is not None:
-                getattr(t, field).copy_(getattr(new, field))
-        if self.staged_order:
-            self.expert_order.copy_(torch.tensor(staged_first(t.stage_scale, format_order(base)), dtype=torch.int32))
+        swapped, new = stage_set_tables(self, stages)
+        write_stage_tables(self, new)
         self.experts = swapped
+
+    def load_stage_tables(self, tables: dict, abi_version: int) -> None:
+        """Hot swap from caller-built stage tables (docs/moe-tables.md, version `abi_version`), copied in place.
+
+        `tables` maps "stage_addr" (int64), "stage_k2", "stage_codebook" (int32) and "stage_scale" (float32), each
+        contiguous on the plan's device with the shape of `self.tables.stage_scale` ([S, 3, E]), and optionally
+        "bias_gate_up" / "bias_down" where the plan has bias tables (absent: left as they are). Refused with
+        ContractError naming the field or entry (nothing written): an abi_version other than MOE_ADDITIVE_ABI_VERSION,
+        a wrong dtype, shape, device or layout, a non-finite scale or one outside 2^-40..2^40, a nonzero scale on a
+        null or unaligned address, or a (2K, codebook) outside the plan's compiled `stage_formats`; entries of zero
+        scale are ignored (written empty). Rewrites the route-block order as load_stages does. Validation reads the
+        tables on the host (it syncs): call between replays, never inside a capture. The caller keeps every tensor
+        the addresses point at alive; the plan stops holding the stages of an earlier load_stages.
+        """
+        new = caller_stage_tables(self, tables, abi_version)
+        write_stage_tables(self, new)
+        base = self.experts
+        self.experts = ExpertSet(base.gate, base.up, base.down, base.activation, base.limit, [], base.name)
 
 
 def _mma_layout(prefix: str, mma, capacity: int, max_blocks: int, hidden: int, inter: int) -> list:

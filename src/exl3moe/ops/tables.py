@@ -44,6 +44,7 @@ from ..kernels.moe_experts import ACTIVATION_ID
 MOE_ADDITIVE_ABI_VERSION = 1
 MIN_STAGE_SCALE = 2.0 ** -40  # nonzero stage scales lie in [2^-40, 2^40]: the CUDA kernels compute acc / scale
 PROJECTIONS = ("gate", "up", "down")
+EMPTY_STAGE_K2 = 2  # the 2K written for a stage entry of zero scale (codebook 0, address 0): never read
 
 
 @dataclass(eq=False)
@@ -196,7 +197,7 @@ def build_tables(experts: ExpertSet, name: str = "experts", stage_capacity: int 
     fmt = torch.zeros(2, 3, E, dtype=torch.int32)
     stage_addr = torch.zeros(max(S, 1), 3, E, dtype=torch.int64)
     stage_fmt = torch.zeros(2, max(S, 1), 3, E, dtype=torch.int32)
-    stage_fmt[0] = 2
+    stage_fmt[0] = EMPTY_STAGE_K2
     stage_scale = torch.zeros(max(S, 1), 3, E, dtype=torch.float32)
     for p, proj in enumerate(PROJECTIONS):
         for e, w in enumerate(getattr(experts, proj) or []):
