@@ -199,8 +199,12 @@ class LinearRunner:
     def run(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         w = self.plan.weight
         x2 = check_input(x, w)
+        return self.run_checked(x, x2, out, check_output(out, x2.shape[0], w, tuple(x.shape[:-1])))
+
+    def run_checked(self, x: torch.Tensor, x2: torch.Tensor, out: torch.Tensor, out2: torch.Tensor) -> torch.Tensor:
+        """run for an x and out that check_input / check_output accepted; x2, out2 their [rows, k] / [rows, n] views."""
+        w = self.plan.weight
         rows = x2.shape[0]
-        out2 = check_output(out, rows, w, tuple(x.shape[:-1]))
         if rows > self.plan.max_rows:
             raise ContractError("x", f"has {rows} rows, the plan was made for at most {self.plan.max_rows}")
         if rows == 0:
@@ -319,11 +323,11 @@ def linear(x: torch.Tensor, w: EXL3Weight, out: torch.Tensor | None = None,
     x2 = check_input(x, w)
     rows = x2.shape[0]
     if out is not None:
-        check_output(out, rows, w, tuple(x.shape[:-1]))
-        return cached_runner(w, rows).run(x, out)
+        out2 = check_output(out, rows, w, tuple(x.shape[:-1]))
+        return cached_runner(w, rows).run_checked(x, x2, out, out2)
     dtype = out_dtype or x.dtype
     if dtype not in OUTPUT_DTYPES:
         raise ContractError("out_dtype", f"must be float16, bfloat16 or float32, got {dtype}")
     out = torch.empty(*x.shape[:-1], w.out_features, dtype=dtype, device=x.device)
     plan = LinearPlan(w, max(1, rows))
-    return plan.bind(plan.allocate()).run(x, out)
+    return plan.bind(plan.allocate()).run_checked(x, x2, out, out.view(rows, w.out_features))

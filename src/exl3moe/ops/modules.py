@@ -46,12 +46,12 @@ class EXL3Linear(nn.Module):
         return self._runner
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        rows = check_input(x, self.weight).shape[0]
+        x2 = check_input(x, self.weight)
+        rows = x2.shape[0]
         if out is None:
             out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
-        else:
-            check_output(out, rows, self.weight, tuple(x.shape[:-1]))   # before the first call binds the workspace
-        return self._runner_for(max(rows, 1)).run(x, out)
+        out2 = check_output(out, rows, self.weight, tuple(x.shape[:-1]))   # before the first call binds the workspace
+        return self._runner_for(max(rows, 1)).run_checked(x, x2, out, out2)
 
     def extra_repr(self) -> str:
         w = self.weight

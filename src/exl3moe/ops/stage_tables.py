@@ -17,7 +17,7 @@ from ..format.codebook import CODEBOOK_ID
 from ..format.experts import ExpertSet
 from ..kernels.trellis_decode import interpreting
 from .stage_limits import residual_codebooks, widest_residual_k2
-from .tables import (EMPTY_STAGE_K2, MIN_STAGE_SCALE, MOE_ADDITIVE_ABI_VERSION, _check_tensor, build_tables)
+from .tables import EMPTY_STAGE_K2, MOE_ADDITIVE_ABI_VERSION, _check_tensor, build_tables, outside_stage_range
 
 # The caller-built stage tables of ABI version 1 and their dtypes (each [S, 3, E]).
 STAGE_TABLES = {"stage_addr": torch.int64, "stage_k2": torch.int32, "stage_codebook": torch.int32,
@@ -87,8 +87,7 @@ def _check_entries(plan, addr, k2, codebook, scale) -> None:
     """Every entry of nonzero scale in the plan's range and formats, with a pointer (CPU tables [S, 3, E])."""
     _refuse_where(~torch.isfinite(scale), "stage_scale", "must be finite")
     active = scale != 0
-    magnitude = scale.abs()
-    _refuse_where(active & ((magnitude < MIN_STAGE_SCALE) | (magnitude > 1 / MIN_STAGE_SCALE)), "stage_scale",
+    _refuse_where(outside_stage_range(scale), "stage_scale",
                   "must be 0 or within [2^-40, 2^40] in magnitude (kernels divide by it)")
     if not plan.tables.gated:
         _refuse_where(active[:, :1], "stage_scale", "must be 0 on the gate (p = 0): the experts have no gate")

@@ -116,6 +116,12 @@ def _same_scale(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() or (a.shape == b.shape and bool(torch.equal(a, b)))
 
 
+def outside_stage_range(scales: torch.Tensor) -> torch.Tensor:
+    """Where a nonzero stage scale lies outside [2^-40, 2^40] in magnitude (the kernels divide by it)."""
+    magnitude = scales.abs()
+    return (scales != 0) & ((magnitude < MIN_STAGE_SCALE) | (magnitude > 1 / MIN_STAGE_SCALE))
+
+
 def _check_stage(stage: ResidualStage, s: int, experts: ExpertSet, shapes: dict) -> torch.Tensor:
     """Check a residual stage and return its scales as float32 [E, 3] on the CPU."""
     name = f"{experts.name}.stages[{s}]"
@@ -129,8 +135,7 @@ def _check_stage(stage: ResidualStage, s: int, experts: ExpertSet, shapes: dict)
     scales = scales.detach().to("cpu", torch.float32)
     if not bool(torch.isfinite(scales).all()):
         raise ContractError(f"{name}.scales", "must be finite")
-    magnitude = scales.abs()[scales != 0]
-    if bool(((magnitude < MIN_STAGE_SCALE) | (magnitude > 1 / MIN_STAGE_SCALE)).any()):
+    if bool(outside_stage_range(scales).any()):
         raise ContractError(f"{name}.scales", "nonzero scales must lie within [2^-40, 2^40] in magnitude "
                             "(kernels divide by them)")
     for p, proj in enumerate(PROJECTIONS):
