@@ -3,7 +3,7 @@
 # at 512 rows (JSON under $OUT, to merge into bench/results/linear_h200.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_FIXTURES="${EXL3MOE_FIXTURES:-$PWD/.fixtures}"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
 export EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 timeout 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_linear_gpu.py -k "full_shape or graph or dense" \

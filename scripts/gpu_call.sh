@@ -3,7 +3,7 @@
 # those token counts into $OUT/moe_h200.json. Log in $OUT/gpu_call.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_FIXTURES="${EXL3MOE_FIXTURES:-$PWD/.fixtures}"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
 export EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 {

@@ -2,7 +2,7 @@
 # One call on the H200: GPU tests, then the named benchmarks ("linear.py --args", "moe.py"); JSON and logs under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_FIXTURES="${EXL3MOE_FIXTURES:-$PWD/.fixtures}"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
 export EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"  # compiled CUDA kernels, kept between calls
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader

@@ -4,7 +4,7 @@
 # benchmark at those token counts (if BENCH=1), then the rest of the MoE GPU tests. Log in $OUT/moe_persistent.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_FIXTURES="${EXL3MOE_FIXTURES:-$PWD/.fixtures}"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
 export EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 FIRST="warp_specialized or deterministic"

@@ -3,7 +3,7 @@
 # MoE probe at 1024 and 4096 tokens with EXL3MOE_MOE_WS=0 and 1. Log in $OUT/moe_ws_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_FIXTURES="${EXL3MOE_FIXTURES:-$PWD/.fixtures}"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
 export EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 {

@@ -4,7 +4,7 @@
 # variant beside it, NCU=1 adds the per-instruction stall table of the large shape. Log in $OUT/ws_check.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=src PYTHONUNBUFFERED=1 EXL3MOE_FIXTURES="${EXL3MOE_FIXTURES:-$PWD/.fixtures}"
+export PYTHONPATH=src PYTHONUNBUFFERED=1
 export EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 {

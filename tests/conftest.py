@@ -31,7 +31,7 @@ def _row_invariant_interpreter_dot() -> None:
 if os.environ.get("TRITON_INTERPRET") == "1":
     _row_invariant_interpreter_dot()
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures")
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
 def pytest_collection_modifyitems(config, items):
