@@ -124,7 +124,7 @@ def main(args):
 
 
 def case_arguments(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The options that choose the cases and define sets (shared with power_probe.py)."""
+    """The options that choose the cases and define sets."""
     ap.add_argument("--sets", nargs="+", default=["0"], help='define sets, "A=1,B=2" each; "0" for none')
     ap.add_argument("--shapes", nargs="*", default=["4096x14336"])
     ap.add_argument("--bits", nargs="+", type=int, default=[4])
