@@ -116,14 +116,13 @@ def test_residual_stages_with_zero_scales_skipped():
     scales[1] = 0.0
     scales[2, 1] = 0.0
     stage = random_stage(experts, scales, K=2, codebook="mcg", generator=g)
-    stage.down[3] = None
+    stage = stage.replace(down=stage.down[:3] + (None,))
     second = random_stage(experts, torch.rand(4, 3, generator=g) * 0.1, K=3, codebook="mul1", generator=g)
-    experts.stages = [stage, second]
+    staged = experts.replace(stages=[stage, second])
     hidden = inputs(10, 128, 14)
     ids, weights = routing(10, 2, 4, 15)
-    out = fused_experts(hidden, experts, ids, weights)
-    check(out, hidden, experts, ids, weights)
-    experts.stages = []
+    out = fused_experts(hidden, staged, ids, weights)
+    check(out, hidden, staged, ids, weights)
     assert rel_l2(out, moe(hidden, experts, ids, weights)) > 1e-2
 
 
@@ -202,7 +201,7 @@ def test_torch_path_matches_oracle(monkeypatch):
     g = torch.Generator().manual_seed(29)
     experts = random_experts(4, 128, 128, K=[2, 3, 4, 2.5], codebook=["3inst", "mcg", "mcg", "mul1"], bias=True,
                              generator=g)
-    experts.stages = [random_stage(experts, torch.rand(4, 3, generator=g) * 0.2, generator=g)]
+    experts = experts.replace(stages=[random_stage(experts, torch.rand(4, 3, generator=g) * 0.2, generator=g)])
     shared = random_experts(1, 128, 128, K=3, generator=g, name="shared")
     hidden = inputs(9, 128, 30)
     ids, weights = routing(9, 2, 4, 31)
@@ -265,14 +264,13 @@ def test_plan_contract():
     with pytest.raises(ContractError) as info:
         moe_plan(experts, 4, 2, shared=random_experts(2, 128, 128, K=2, name="shared"))
     assert info.value.name == "shared"
-    strided = random_weight(128, 128, 2, generator=g)
-    strided.suh = torch.zeros(256, dtype=torch.float16)[::2]
+    strided = random_weight(128, 128, 2, generator=g).replace(suh=torch.zeros(256, dtype=torch.float16)[::2])
     bad = ExpertSet([strided, experts.gate[1]], experts.up, experts.down)
     with pytest.raises(ContractError, match="contiguous") as info:
         moe_plan(bad, 4, 2)
     assert info.value.name == "experts.gate[0].suh"
     other = random_weight(128, 128, 2, generator=g)
-    experts.stages = [ResidualStage(None, [other, None], None, torch.ones(2, 3))]
+    experts = experts.replace(stages=[ResidualStage(None, [other, None], None, torch.ones(2, 3))])
     with pytest.raises(ContractError, match="share") as info:
         moe_plan(experts, 4, 2)
     assert info.value.name == "experts.stages[0].up[0]"

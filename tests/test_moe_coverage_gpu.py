@@ -128,14 +128,17 @@ def refused_without_allocating(call, name: str) -> None:
 
 
 def with_weight(layer: ExpertSet, proj: str, e: int, **tensors) -> ExpertSet:
-    """The layer with projection `proj` of expert e given other tensors after construction (as a caller could)."""
+    """The layer with projection `proj` of expert e given other tensors after construction, past its own checks
+    (object.__setattr__, as a caller could)."""
     w = getattr(layer, proj)[e]
     changed = EXL3Weight(w.trellis, w.suh, w.svh, w.codebook, w.bias, w.name)
-    for field, t in tensors.items():
-        setattr(changed, field, t)
     weights = {p: list(getattr(layer, p)) for p in ("gate", "up", "down")}
     weights[proj][e] = changed
-    return ExpertSet(weights["gate"], weights["up"], weights["down"], layer.activation, layer.limit, name=layer.name)
+    changed_layer = ExpertSet(weights["gate"], weights["up"], weights["down"], layer.activation, layer.limit,
+                              name=layer.name)
+    for field, t in tensors.items():
+        object.__setattr__(changed, field, t)
+    return changed_layer
 
 
 def test_refused_plans_bindings_and_runs_touch_no_device_memory(qwen3_layer, monkeypatch):  # noqa: F811

@@ -237,7 +237,7 @@ def test_stages_add_scaled_residuals():
     scales = [[[0.5, -0.25, 0.125], [0.0, 1.0, -2.0], [0.75, 0.0, 0.3]],
               [[0.1, 0.2, 0.3], [-0.4, 0.0, 0.6], [0.0, 0.0, 0.0]]]
     experts, stages, x, ids, weights = _stage_setup(scales)
-    stages[1].down[2] = None  # absent residual: skipped
+    stages[1] = stages[1].replace(down=stages[1].down[:2] + (None,))  # absent residual: skipped
     staged = ExpertSet(experts.gate, experts.up, experts.down, stages=stages)
     index = {"gate": 0, "up": 1, "down": 2}
 

@@ -18,7 +18,7 @@ _MASK32 = 0xFFFFFFFF
 
 
 def check_codebook(codebook: str, name: str = "codebook") -> str:
-    if codebook not in CODEBOOKS:
+    if not isinstance(codebook, str) or codebook not in CODEBOOKS:
         raise FormatError(name, f"codebook must be one of {CODEBOOKS}, got {codebook!r}")
     return codebook
 

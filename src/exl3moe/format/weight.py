@@ -9,6 +9,7 @@ import torch
 from ..errors import FormatError
 from .bitstream import k_from_last_dim, tiles_to_matrix, unpack_states
 from .codebook import CODEBOOKS, MCG_MULTIPLIER, MUL1_MULTIPLIER, check_codebook, codebook_table
+from .frozen import Frozen, tensor_key
 from .hadamard import HAD, hadamard_blockwise
 
 MARKERS = {"mcg": MCG_MULTIPLIER, "mul1": MUL1_MULTIPLIER}
@@ -55,8 +56,11 @@ def check_marker(value: torch.Tensor, codebook: str, name: str) -> None:
 
 
 @dataclass(eq=False)
-class EXL3Weight:
-    """A quantized linear y = x @ W + bias with W = diag(suh) Hk W_inner Hn diag(svh), W as [in, out]."""
+class EXL3Weight(Frozen):
+    """A quantized linear y = x @ W + bias with W = diag(suh) Hk W_inner Hn diag(svh), W as [in, out].
+
+    Validated on construction and frozen: `w.replace(suh=...)` makes a validated modified copy (format/frozen.py).
+    """
 
     trellis: torch.Tensor
     suh: torch.Tensor
@@ -65,8 +69,9 @@ class EXL3Weight:
     bias: torch.Tensor | None = None
     name: str = "weight"
 
-    def __post_init__(self) -> None:
-        self.validate()
+    def _own_key(self) -> tuple:
+        return (tensor_key(self.trellis), tensor_key(self.suh), tensor_key(self.svh), self.codebook,
+                tensor_key(self.bias))
 
     @property
     def K(self) -> float:
@@ -89,6 +94,8 @@ class EXL3Weight:
         return self.trellis.numel() * 2
 
     def validate(self) -> None:
+        if not isinstance(self.name, str):
+            raise FormatError("weight.name", f"must be a str, got {type(self.name).__name__}")
         n = self.name
         t = self.trellis
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int16:

@@ -19,6 +19,7 @@ from ..kernels.trellis_mma import (call_kernel, counter_count, decode_dense, den
                                    fuses_rotation, plan_mma, prefetch_for, reduce_kernel, rotate_input, rotate_kernel,
                                    linear_chains, trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel,
                                    ws_paired, ws_x_tma, late_rotation)
+from .contracts import check_packed, check_workspace
 from .workspaces import workspace_for
 
 MAX_FUSED_ROWS = 128
@@ -62,12 +63,18 @@ def block_rows(rows: int) -> int:
     return bm
 
 
-def _check_weight(w: EXL3Weight) -> None:
+def check_weight(w: EXL3Weight) -> tuple:
+    """Validate w for the linear ops (its format rules again where it changed since: format/frozen.py); returns its
+    fingerprint, which a plan keeps to notice a weight changed after it was made."""
     if not isinstance(w, EXL3Weight):
         raise ContractError("w", f"must be an EXL3Weight, got {type(w).__name__}")
+    key = w.ensure_valid()
     for name in ("trellis", "suh", "svh") + (("bias",) if w.bias is not None else ()):
         if not getattr(w, name).is_contiguous():
             raise ContractError(f"{w.name}.{name}", "must be contiguous")
+    if w.trellis.data_ptr() % 4:
+        raise ContractError(f"{w.name}.trellis", "data must be 4-byte aligned (kernels read int32 words)")
+    return key
 
 
 def check_input(x: torch.Tensor, w: EXL3Weight, name: str = "x") -> torch.Tensor:
@@ -96,12 +103,16 @@ def check_output(out: torch.Tensor, rows: int, w: EXL3Weight, lead: tuple, name:
         raise ContractError(name, f"must be a tensor, got {type(out).__name__}")
     if out.dtype not in OUTPUT_DTYPES:
         raise ContractError(name, f"dtype must be float16, bfloat16 or float32, got {out.dtype}")
-    if tuple(out.shape) != tuple(lead) + (w.out_features,):
-        raise ContractError(name, f"shape must be {list(lead) + [w.out_features]}, got {list(out.shape)}")
+    want = list(lead) + [w.out_features]
+    if out.dim() == 0 or out.shape[-1] != w.out_features:
+        raise ContractError(name, f"shape must be {want}: last dim must be out_features = {w.out_features}, got "
+                            f"{list(out.shape)}")
+    if tuple(out.shape[:-1]) != tuple(lead):
+        raise ContractError(name, f"shape must be {want}: leading dims (the row count) must be x's {list(lead)}, "
+                            f"got {list(out.shape)}")
     if out.device != w.device:
         raise ContractError(name, f"is on {out.device}, the weight is on {w.device}")
-    if not out.is_contiguous():
-        raise ContractError(name, "must be contiguous")
+    check_packed(out, name)
     return out.view(rows, w.out_features)
 
 
@@ -115,7 +126,7 @@ class LinearPlan:
     """Everything a call needs decided ahead: tiles, paths, workspace size for up to `max_rows` rows."""
 
     def __init__(self, w: EXL3Weight, max_rows: int, tiles: LinearTiles | None = None):
-        _check_weight(w)
+        self.weight_key = check_weight(w)
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ContractError("max_rows", f"must be a positive int, got {max_rows!r}")
         self.weight = w
@@ -155,12 +166,8 @@ class LinearPlan:
                                    for numel, dt in sizes)
 
     def bind(self, workspace: torch.Tensor) -> "LinearRunner":
-        if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or workspace.dim() != 1:
-            raise ContractError("workspace", "must be a 1-D uint8 tensor")
-        if workspace.numel() < self.workspace_bytes:
-            raise ContractError("workspace", f"needs {self.workspace_bytes} bytes, got {workspace.numel()}")
-        if workspace.device != self.weight.device:
-            raise ContractError("workspace", f"is on {workspace.device}, the weight is on {self.weight.device}")
+        check_workspace(workspace, self.workspace_bytes, self.weight.device, "the weight is")
+        self.check_weight_unchanged()
         views, offset = [], 0
         for numel, dtype in self._sizes:
             view, offset = _carve(workspace, offset, numel, dtype)
@@ -170,6 +177,11 @@ class LinearPlan:
             counters.zero_()
         dense = views.pop() if self.dense_path else None
         return LinearRunner(self, *views, dense=dense, counters=counters, workspace=workspace)
+
+    def check_weight_unchanged(self) -> None:
+        """ContractError unless the plan's weight is still valid and has the tensors the plan was made for."""
+        if check_weight(self.weight) != self.weight_key:
+            raise ContractError(self.weight.name, "changed after the plan was made: make a new plan")
 
     @property
     def device(self) -> torch.device:
@@ -198,6 +210,7 @@ class LinearRunner:
 
     def run(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         w = self.plan.weight
+        self.plan.check_weight_unchanged()
         x2 = check_input(x, w)
         return self.run_checked(x, x2, out, check_output(out, x2.shape[0], w, tuple(x.shape[:-1])))
 
@@ -265,7 +278,7 @@ def dense_weight(w: EXL3Weight, dtype: torch.dtype = torch.float16) -> torch.Ten
 
     For callers that multiply by a dense weight themselves (large batches through cuBLAS); allocates.
     """
-    _check_weight(w)
+    check_weight(w)
     if dtype not in OUTPUT_DTYPES:
         raise ContractError("dtype", f"must be float16, bfloat16 or float32, got {dtype}")
     if not use_triton(w.trellis):
@@ -292,21 +305,18 @@ def cached_rows(rows: int) -> int:
     return block_rows(max(rows, MAX_FUSED_ROWS))
 
 
-def cached_runner(w: EXL3Weight, rows: int) -> LinearRunner:
-    """The runner cached for w (identity), planned again where w's tensors or device, the backend, or a call of more
-    rows than planned changes it; bound to the workspace shared by plans of its layout on its device."""
+def cached_runner(w: EXL3Weight, rows: int, key: tuple | None = None) -> LinearRunner:
+    """The runner cached for w (identity), planned again where w's tensors or device (its fingerprint `key`, from
+    check_weight), the backend, or a call of more rows than planned changes it; bound to the workspace shared by
+    plans of its layout on its device."""
+    key = check_weight(w) if key is None else key
     runner = _CACHED_RUNNERS.get(w)
     plan = runner.plan if runner is not None else None
-    if (plan is None or rows > plan.max_rows or plan.device != w.device or not _same_tensors(plan.weight, w)
+    if (plan is None or rows > plan.max_rows or plan.weight_key != key
             or (plan.mma is not None) != nvrtc.available(w.device)):
         plan = LinearPlan(copy.copy(w), cached_rows(rows))
         runner = _CACHED_RUNNERS[w] = plan.bind(workspace_for(plan, share=True))
     return runner
-
-
-def _same_tensors(a: EXL3Weight, b: EXL3Weight) -> bool:
-    return (a.codebook == b.codebook and a.trellis is b.trellis and a.suh is b.suh and a.svh is b.svh
-            and a.bias is b.bias)
 
 
 def linear(x: torch.Tensor, w: EXL3Weight, out: torch.Tensor | None = None,
@@ -319,12 +329,12 @@ def linear(x: torch.Tensor, w: EXL3Weight, out: torch.Tensor | None = None,
     host and can be captured in a CUDA graph. cuBLAS (above 128 rows) takes its own workspace the first time it runs on
     a stream, so capture such a call after one run on the capture stream (or capture twice).
     """
-    _check_weight(w)
+    key = check_weight(w)
     x2 = check_input(x, w)
     rows = x2.shape[0]
     if out is not None:
         out2 = check_output(out, rows, w, tuple(x.shape[:-1]))
-        return cached_runner(w, rows).run_checked(x, x2, out, out2)
+        return cached_runner(w, rows, key).run_checked(x, x2, out, out2)
     dtype = out_dtype or x.dtype
     if dtype not in OUTPUT_DTYPES:
         raise ContractError("out_dtype", f"must be float16, bfloat16 or float32, got {dtype}")

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from ..format.weight import EXL3Weight
-from .linear import LinearPlan, check_input, check_output
+from .linear import LinearPlan, check_input, check_output, check_weight
 from .workspaces import workspace_for
 
 
@@ -36,9 +36,11 @@ class EXL3Linear(nn.Module):
     def out_features(self) -> int:
         return self.weight.out_features
 
-    def _runner_for(self, rows: int):
-        if rows > self._plan.max_rows:
-            self._plan = LinearPlan(self.weight, rows)
+    def _runner_for(self, rows: int, key: tuple):
+        """The runner for calls of `rows`, planned again for more rows or for a weight that is not the plan's (the
+        attribute reassigned, or its tensors changed since: `key` is its fingerprint from check_weight)."""
+        if rows > self._plan.max_rows or self._plan.weight is not self.weight or self._plan.weight_key != key:
+            self._plan = LinearPlan(self.weight, max(rows, self._plan.max_rows))
             self._runner = None
         if self._runner is None:
             self._workspace = workspace_for(self._plan, self.share_workspace)
@@ -46,12 +48,13 @@ class EXL3Linear(nn.Module):
         return self._runner
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        key = check_weight(self.weight)
         x2 = check_input(x, self.weight)
         rows = x2.shape[0]
         if out is None:
             out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
         out2 = check_output(out, rows, self.weight, tuple(x.shape[:-1]))   # before the first call binds the workspace
-        return self._runner_for(max(rows, 1)).run_checked(x, x2, out, out2)
+        return self._runner_for(max(rows, 1), key).run_checked(x, x2, out, out2)
 
     def extra_repr(self) -> str:
         w = self.weight

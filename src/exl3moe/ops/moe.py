@@ -44,6 +44,7 @@ from ..kernels.moe_mma import (MAX_GRID_ROWS, WIDE_BLOCK_M, check_ring_turns, di
                                 wide_route_blocks, workspace_numels)
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
+from .contracts import check_matrix, check_weights_unchanged, check_workspace, weights_key
 from .tables import MoETables, build_tables, check_expert_set
 from .moe_split import split_layout, split_launches
 from .moe_torch import moe_torch
@@ -65,7 +66,6 @@ ID_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ALIGN = 256
-_BASE_ALIGN = 16
 
 
 # gate/up programs wanted in flight: below this the hidden size is split (partials summed in a fixed order).
@@ -145,6 +145,7 @@ class MoEPlan:
         if shared is not None:
             check_shared(shared, experts)
             check_expert_set(shared, "shared")
+        self.weights_key = weights_key(experts, shared)   # bind refuses weights changed after this
         # Everything is validated: only now do tables reach the device.
         self.tables: MoETables = build_tables(experts, stage_capacity=stage_capacity)
         self.stage_max_k2 = stage_k2_limit(experts, stage_capacity, max_stage_bits)
@@ -231,14 +232,8 @@ class MoEPlan:
 
     def bind(self, workspace: torch.Tensor) -> "MoERunner":
         """A runner whose scratch is views into `workspace` (1-D uint8, >= workspace_bytes, on the experts' device)."""
-        if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.uint8 or workspace.dim() != 1:
-            raise ContractError("workspace", "must be a 1-D uint8 tensor")
-        if workspace.numel() < self.workspace_bytes:
-            raise ContractError("workspace", f"needs {self.workspace_bytes} bytes, got {workspace.numel()}")
-        if workspace.device != self.device:
-            raise ContractError("workspace", f"is on {workspace.device}, the experts are on {self.device}")
-        if workspace.data_ptr() % _BASE_ALIGN:
-            raise ContractError("workspace", f"must start at a {_BASE_ALIGN}-byte aligned address")
+        check_workspace(workspace, self.workspace_bytes, self.device, "the experts are")
+        check_weights_unchanged(self.weights_key, self.experts, self.shared)
         views, offset = {}, 0
         for name, numel, dtype in self._layout:
             size = numel * _itemsize(dtype)
@@ -323,26 +318,20 @@ class MoERunner:
                 raise ContractError(name, f"is on {t.device}, the experts are on {plan.device}")
         if hidden.dtype not in INPUT_DTYPES:
             raise ContractError("hidden", f"dtype must be float16 or bfloat16, got {hidden.dtype}")
-        if hidden.dim() != 2 or hidden.shape[1] != H or hidden.stride(1) != 1:
-            raise ContractError("hidden", f"must be [tokens, {H}] with unit column stride, got shape "
-                                f"{list(hidden.shape)} strides {list(hidden.stride())}")
+        check_matrix(hidden, "hidden", None, H, "", "the hidden size", "rows")
         T = hidden.shape[0]
         if T > plan.max_tokens:
             raise ContractError("hidden", f"has {T} tokens, the plan was made for at most {plan.max_tokens}")
         if topk_ids.dtype not in ID_DTYPES:
             raise ContractError("topk_ids", f"dtype must be int32 or int64, got {topk_ids.dtype}")
-        if tuple(topk_ids.shape) != (T, plan.top_k) or not topk_ids.is_contiguous():
-            raise ContractError("topk_ids", f"must be contiguous [{T}, {plan.top_k}], got {list(topk_ids.shape)}")
+        check_matrix(topk_ids, "topk_ids", T, plan.top_k, "hidden's tokens", "the plan's top_k", "contiguous")
         if topk_weights.dtype not in WEIGHT_DTYPES:
             raise ContractError("topk_weights", f"dtype must be float16, bfloat16 or float32, got {topk_weights.dtype}")
-        if tuple(topk_weights.shape) != (T, plan.top_k) or not topk_weights.is_contiguous():
-            raise ContractError("topk_weights", f"must be contiguous [{T}, {plan.top_k}], got "
-                                f"{list(topk_weights.shape)}")
+        check_matrix(topk_weights, "topk_weights", T, plan.top_k, "hidden's tokens", "the plan's top_k", "contiguous")
         allowed = OUTPUT_DTYPES if plan.out_dtype is None else (plan.out_dtype,)
         if out.dtype not in allowed:
             raise ContractError("out", f"dtype must be one of {allowed}, got {out.dtype}")
-        if tuple(out.shape) != (T, H) or out.stride(1) != 1:
-            raise ContractError("out", f"must be [{T}, {H}] with unit column stride, got shape {list(out.shape)}")
+        check_matrix(out, "out", T, H, "hidden's tokens", "the hidden size", "disjoint")
         return T
 
     def run(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,

@@ -26,6 +26,7 @@ from torch import nn
 
 from ..errors import ContractError, FormatError
 from ..format.experts import ExpertSet
+from .contracts import check_matrix
 from .moe import OUTPUT_DTYPES, moe_plan
 from .router import Router
 from .workspaces import shared_buffer, workspace_for
@@ -157,6 +158,7 @@ class EXL3MoE(nn.Module):
         except RuntimeError:
             raise ContractError("out", "must be viewable as [tokens, H] (contiguous rows)") from None
         T = x.shape[0]
+        check_matrix(out_rows, "out", T, H, "hidden's tokens", "the hidden size", "disjoint")
         if T == 0:
             return out
         if T > self.plan.max_tokens:

@@ -96,7 +96,7 @@ def check_weight(w: EXL3Weight, name: str, shape: tuple, device: torch.device) -
     if w.trellis.data_ptr() % 4:
         raise ContractError(f"{name}.trellis", "data must be 4-byte aligned (kernels read int32 words)")
     K = k_from_last_dim(w.trellis.shape[-1], f"{name}.trellis")
-    if w.codebook not in CODEBOOK_ID:
+    if not isinstance(w.codebook, str) or w.codebook not in CODEBOOK_ID:
         raise ContractError(f"{name}.codebook", f"must be one of {tuple(CODEBOOK_ID)}, got {w.codebook!r}")
     if K != int(K) and w.codebook != "mul1":
         raise ContractError(f"{name}.trellis", f"half-integer K={K} needs the mul1 codebook, got {w.codebook}")
@@ -169,7 +169,9 @@ def check_expert_set(experts: ExpertSet, name: str = "experts") -> list:
             check_weight(w, f"{experts.name}.{proj}[{e}]", shapes[proj], experts.device)
     if experts.activation not in ACTIVATION_ID:
         raise ContractError(f"{experts.name}.activation", f"must be one of {tuple(ACTIVATION_ID)}")
-    return [_check_stage(stage, s, experts, shapes) for s, stage in enumerate(experts.stages)]
+    scales = [_check_stage(stage, s, experts, shapes) for s, stage in enumerate(experts.stages)]
+    experts.ensure_valid()   # the rest of the construction rules, where anything changed since (format/frozen.py)
+    return scales
 
 
 def _fold_bias(experts: ExpertSet, proj: str, p: int, stage_scales: list) -> torch.Tensor | None:
