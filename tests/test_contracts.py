@@ -1,7 +1,7 @@
 """Weights that cannot go stale, outputs whose rows do not overlap, workspaces checked in every bind (issue 51).
 
-Small CPU shapes (k = n = 128, two experts); kernels run under the interpreter where TRITON_INTERPRET=1, else on the
-torch path. Each refusal is checked for its type, the tensor it names and the rule it states.
+Small shapes (k = n = 128, two experts) on the CPU, where kernels run under the interpreter (TRITON_INTERPRET=1) or
+on the torch path, and on the GPU (`gpu`). Each refusal is checked for its type, the tensor it names and its rule.
 """
 
 import copy
@@ -21,16 +21,21 @@ from exl3moe.ops.moe_module import EXL3MoE
 from exl3moe.ops.router import Router
 from helpers import random_experts, random_scales, random_stage, random_weight
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 KERNELS = ("trellis_decode", "hadamard128", "trellis_matmul", "trellis_epilogue", "linear_torch", "rotate_input",
            "trellis_mma")
 
 
-def weight(bias: bool = True, seed: int = 0) -> EXL3Weight:
-    return random_weight(128, 128, 2, "mcg", bias=bias, generator=torch.Generator().manual_seed(seed))
+def weight(bias: bool = True, seed: int = 0, device: str = "cpu") -> EXL3Weight:
+    return random_weight(128, 128, 2, "mcg", bias=bias, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def inputs(rows: int, seed: int = 1) -> torch.Tensor:
-    return torch.randn(rows, 128, generator=torch.Generator().manual_seed(seed)).half()
+def inputs(rows: int, seed: int = 1, device: str = "cpu") -> torch.Tensor:
+    return torch.randn(rows, 128, generator=torch.Generator().manual_seed(seed)).half().to(device)
+
+
+def two_experts(seed: int, device: str = "cpu") -> ExpertSet:
+    return random_experts(2, 128, 128, K=2, generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 def no_kernels(monkeypatch) -> None:
@@ -130,7 +135,7 @@ def _unknown_codebook(w):
 
 
 def _suh_shrunk_in_place(w):
-    w.suh.set_(torch.ones(64, dtype=torch.float16))
+    w.suh.set_(torch.ones(64, dtype=torch.float16, device=w.device))
 
 
 def _svh_expanded_in_place(w):
@@ -146,17 +151,18 @@ STALE = {   # change -> (the tensor named, its rule)
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("change", sorted(STALE))
-def test_changed_weight_is_refused_by_every_linear_entry_before_any_kernel(change, monkeypatch):
+def test_changed_weight_is_refused_by_every_linear_entry_before_any_kernel(change, device, monkeypatch):
     edit, name, rule = STALE[change]
-    w = weight()
+    w = weight(device=device)
     module = EXL3Linear(w, 4)
     plan = LinearPlan(w, 4)
     runner = plan.bind(plan.allocate())
     workspace = plan.allocate()
     edit(w)
     no_kernels(monkeypatch)
-    x, out = inputs(4), torch.empty(4, 128, dtype=torch.float16)
+    x, out = inputs(4, device=device), torch.empty(4, 128, dtype=torch.float16, device=device)
     calls = {"linear": lambda: linear(x, w), "linear(out=)": lambda: linear(x, w, out=out),
              "dense_weight": lambda: dense_weight(w), "EXL3Linear": lambda: module(x),
              "EXL3Linear(out=)": lambda: module(x, out=out), "LinearPlan": lambda: LinearPlan(w, 4),
@@ -198,14 +204,15 @@ def test_valid_change_is_validated_once_and_replanned_by_modules_and_the_cache(m
     assert torch.equal(module(x), linear(x, reassigned)), "a reassigned module weight is planned for"
 
 
-def test_moe_plan_refuses_a_changed_expert_and_bind_a_changed_plan():
-    experts = random_experts(2, 128, 128, K=2, generator=torch.Generator().manual_seed(6))
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_plan_refuses_a_changed_expert_and_bind_a_changed_plan(device):
+    experts = two_experts(6, device)
     plan = moe_plan(experts, 4, 2)
     suh = experts.up[1].suh
     object.__setattr__(experts.up[1], "suh", suh[:64])
     refused(lambda: moe_plan(experts, 4, 2), "experts.up[1]", "suh/svh must have 128/128 elements", ContractError)
     refused(lambda: plan.bind(plan.allocate()), "experts", "changed after the plan was made", ContractError)
-    object.__setattr__(experts.up[1], "suh", random_scales(128, torch.Generator().manual_seed(7)))
+    object.__setattr__(experts.up[1], "suh", random_scales(128, torch.Generator().manual_seed(7)).to(device))
     refused(lambda: plan.bind(plan.allocate()), "experts", "changed after the plan was made", ContractError)
     assert moe_plan(experts, 4, 2).bind(plan.allocate()) is not None, "a new plan takes the changed (valid) set"
     object.__setattr__(experts.up[1], "suh", suh)
@@ -213,79 +220,91 @@ def test_moe_plan_refuses_a_changed_expert_and_bind_a_changed_plan():
 
 
 def test_moe_plan_refuses_non_finite_scales_changed_in_place_of_a_field():
-    experts = random_experts(2, 128, 128, K=2, generator=torch.Generator().manual_seed(8))
+    experts = two_experts(8)
     object.__setattr__(experts.down[0], "svh", torch.full((128,), float("nan"), dtype=torch.float16))
     refused(lambda: moe_plan(experts, 4, 2), "experts.down[0].svh", "must be finite", FormatError)
 
 
 # --- outputs ----------------------------------------------------------------------------------------------------------
 
-def overlapping_outputs(rows: int, n: int) -> dict:
-    return {"expanded": torch.zeros(1, n, dtype=torch.float16).expand(rows, n),
-            "rows 64 apart": torch.zeros(rows * 64 + n, dtype=torch.float16).as_strided((rows, n), (64, 1))}
+def overlapping_outputs(rows: int, n: int, device: str) -> dict:
+    return {"expanded": torch.zeros(1, n, dtype=torch.float16, device=device).expand(rows, n),
+            "rows 64 apart": torch.zeros(rows * 64 + n, dtype=torch.float16, device=device).as_strided((rows, n),
+                                                                                                    (64, 1))}
 
 
-def test_linear_refuses_overlapping_output_rows_everywhere(monkeypatch):
-    w = weight()
+def half(*shape, device: str) -> torch.Tensor:
+    return torch.empty(*shape, dtype=torch.float16, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_refuses_overlapping_output_rows_everywhere(device, monkeypatch):
+    w = weight(device=device)
     module = EXL3Linear(w, 4)
     runner = LinearPlan(w, 4).bind(LinearPlan(w, 4).allocate())
     no_kernels(monkeypatch)
-    x = inputs(4)
-    for kind, out in overlapping_outputs(4, 128).items():
+    x = inputs(4, device=device)
+    for kind, out in overlapping_outputs(4, 128, device).items():
         for call in (lambda: linear(x, w, out=out), lambda: module(x, out=out), lambda: runner.run(x, out)):
             refused(call, "out", "rows overlap", ContractError)
-    for call in (lambda: linear(x, w, out=torch.empty(3, 128).half()), lambda: runner.run(x, torch.empty(5, 128).half())):
+    for call in (lambda: linear(x, w, out=half(3, 128, device=device)),
+                 lambda: runner.run(x, half(5, 128, device=device))):
         refused(call, "out", "row count", ContractError)
-    refused(lambda: linear(x, w, out=torch.empty(4, 256).half()[:, :128]), "out", "must be contiguous", ContractError)
+    refused(lambda: linear(x, w, out=half(4, 256, device=device)[:, :128]), "out", "must be contiguous",
+            ContractError)
 
 
-def test_moe_run_refuses_overlapping_output_rows_and_accepts_padded_ones():
-    experts = random_experts(2, 128, 128, K=2, generator=torch.Generator().manual_seed(10))
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_run_refuses_overlapping_output_rows_and_accepts_padded_ones(device):
+    experts = two_experts(10, device)
     plan = moe_plan(experts, 4, 2, out_dtype=torch.float16)
     runner = plan.bind(plan.allocate())
-    x, ids, weights = inputs(4, 11), torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]]), torch.full((4, 2), 0.5)
-    for kind, out in overlapping_outputs(4, 128).items():
+    x = inputs(4, 11, device)
+    ids, weights = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0]], device=device), torch.full((4, 2), 0.5, device=device)
+    for kind, out in overlapping_outputs(4, 128, device).items():
         refused(lambda: runner.run(x, ids, weights, out), "out", "rows overlap: row stride", ContractError)
-    cases = [((x, ids, weights, torch.empty(3, 128).half()), "out", "row count must be 4"),
-             ((x, ids[:3], weights, torch.empty(4, 128).half()), "topk_ids", "row count must be 4"),
-             ((x, ids, weights[:, :1], torch.empty(4, 128).half()), "topk_weights", "column count must be 2"),
-             ((x, ids, weights, torch.empty(4, 256).half()[:, ::2]), "out", "columns must be contiguous"),
-             ((x[:, None], ids, weights, torch.empty(4, 128).half()), "hidden", "must be 2-D")]
+    cases = [((x, ids, weights, half(3, 128, device=device)), "out", "row count must be 4"),
+             ((x, ids[:3], weights, half(4, 128, device=device)), "topk_ids", "row count must be 4"),
+             ((x, ids, weights[:, :1], half(4, 128, device=device)), "topk_weights", "column count must be 2"),
+             ((x, ids, weights, half(4, 256, device=device)[:, ::2]), "out", "columns must be contiguous"),
+             ((x[:, None], ids, weights, half(4, 128, device=device)), "hidden", "must be 2-D")]
     for args, name, rule in cases:
         refused(lambda: runner.run(*args), name, rule, ContractError)
-    padded = torch.full((4, 256), float("nan"), dtype=torch.float16)
+    padded = torch.full((4, 256), float("nan"), dtype=torch.float16, device=device)
     runner.run(x, ids, weights, padded[:, :128])
-    packed = runner.run(x, ids, weights, torch.empty(4, 128, dtype=torch.float16))
+    packed = runner.run(x, ids, weights, half(4, 128, device=device))
     assert torch.equal(padded[:, :128], packed) and padded[:, 128:].isnan().all()
     expected = reference.moe(x, experts, ids, weights).double()
     assert float((packed.double() - expected).norm() / expected.norm()) < 2e-3
 
 
-def test_moe_module_refuses_overlapping_output_rows():
-    experts = random_experts(2, 128, 128, K=2, generator=torch.Generator().manual_seed(12))
-    module = EXL3MoE(experts, Router(torch.randn(2, 128, generator=torch.Generator().manual_seed(13)).half(), 2),
-                     max_tokens=4)
-    for kind, out in overlapping_outputs(4, 128).items():
-        refused(lambda: module(inputs(4, 14), out=out), "out", "rows overlap", ContractError)
+@pytest.mark.parametrize("device", DEVICES)
+def test_moe_module_refuses_overlapping_output_rows(device):
+    router = Router(torch.randn(2, 128, generator=torch.Generator().manual_seed(13)).half().to(device), 2)
+    module = EXL3MoE(two_experts(12, device), router, max_tokens=4)
+    for kind, out in overlapping_outputs(4, 128, device).items():
+        refused(lambda: module(inputs(4, 14, device), out=out), "out", "rows overlap", ContractError)
 
 
 # --- workspaces -------------------------------------------------------------------------------------------------------
 
-def bad_workspaces(nbytes: int) -> dict:
-    return {"stride 2": (torch.empty(2 * nbytes, dtype=torch.uint8)[::2], "must be contiguous (stride 1)"),
-            "1 byte off": (torch.empty(nbytes + 16, dtype=torch.uint8)[1:], "16-byte aligned address, got one 1 "),
-            "2 bytes off": (torch.empty(nbytes + 16, dtype=torch.uint8)[2:], "16-byte aligned address, got one 2 "),
-            "int8": (torch.empty(nbytes, dtype=torch.int8), "dtype must be uint8"),
-            "2-D": (torch.empty(1, nbytes, dtype=torch.uint8), "1-D"),
-            "short": (torch.empty(nbytes - 1, dtype=torch.uint8), f"needs {nbytes} bytes"),
-            "meta": (torch.empty(nbytes, dtype=torch.uint8, device="meta"), "is on meta")}
+def bad_workspaces(nbytes: int, device: str) -> dict:
+    def raw(size, dtype=torch.uint8, on=device):
+        return torch.empty(size, dtype=dtype, device=on)
+    return {"stride 2": (raw(2 * nbytes)[::2], "must be contiguous (stride 1)"),
+            "1 byte off": (raw(nbytes + 16)[1:], "16-byte aligned address, got one 1 "),
+            "2 bytes off": (raw(nbytes + 16)[2:], "16-byte aligned address, got one 2 "),
+            "int8": (raw(nbytes, torch.int8), "dtype must be uint8"),
+            "2-D": (raw((1, nbytes)), "1-D"),
+            "short": (raw(nbytes - 1), f"needs {nbytes} bytes"),
+            "meta": (raw(nbytes, on="meta"), "is on meta")}
 
 
-def test_every_bind_checks_workspace_stride_alignment_dtype_and_device():
-    plans = {"LinearPlan": LinearPlan(weight(), 4),
-             "MoEPlan": moe_plan(random_experts(2, 128, 128, K=2, generator=torch.Generator().manual_seed(15)), 4, 2)}
+@pytest.mark.parametrize("device", DEVICES)
+def test_every_bind_checks_workspace_stride_alignment_dtype_and_device(device):
+    plans = {"LinearPlan": LinearPlan(weight(device=device), 4), "MoEPlan": moe_plan(two_experts(15, device), 4, 2)}
     for kind, plan in plans.items():
-        for case, (workspace, rule) in bad_workspaces(plan.workspace_bytes).items():
+        for case, (workspace, rule) in bad_workspaces(plan.workspace_bytes, device).items():
             refused(lambda: plan.bind(workspace), "workspace", rule, ContractError)
-        aligned = torch.empty(plan.workspace_bytes + 32, dtype=torch.uint8)[16:]
+        aligned = torch.empty(plan.workspace_bytes + 32, dtype=torch.uint8, device=device)[16:]
         assert plan.bind(aligned) is not None, kind

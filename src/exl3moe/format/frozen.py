@@ -81,8 +81,8 @@ class Frozen:
     def _refuse(self, field: str):
         kind = type(self).__name__
         return FrozenFieldError(f"{getattr(self, 'name', kind)}.{field}",
-                                f"cannot be changed: the {kind} is validated once and frozen; make a modified copy with "
-                                f"`.replace({field}=...)` (or dataclasses.replace), which validates it")
+                                f"cannot be changed: the {kind} is validated once and frozen; make a modified copy "
+                                f"with `.replace({field}=...)` (or dataclasses.replace), which validates it")
 
     def __setattr__(self, field: str, value) -> None:
         if _CHECKED in self.__dict__:
