@@ -25,7 +25,10 @@ When S = 0 the stage tables are allocated with S = 1 and all scales 0 (kernels r
 
 The address tables hold raw pointers and do NOT keep the tensors alive: the ExpertSet does, and it
 must outlive every plan built from it (MoEPlan keeps a reference to it for that reason). The bias
-tables are values owned by the MoETables object.
+tables are values owned by the MoETables object. ExpertSet and its weights are frozen (format/frozen.py); a
+plan is validated against them when made, `bind` refuses weights whose tensors changed since (fingerprints), and
+`run` checks nothing more (its cost would grow with the experts): change tensors in place between a plan and its
+runs only with values of the same layout.
 """
 
 from __future__ import annotations
