@@ -225,6 +225,13 @@ def test_moe_plan_refuses_non_finite_scales_changed_in_place_of_a_field():
     refused(lambda: moe_plan(experts, 4, 2), "experts.down[0].svh", "must be finite", FormatError)
 
 
+def test_linear_plan_arguments_are_checked_by_type():
+    w = weight()
+    refused(lambda: LinearPlan(w, True), "max_rows", "positive int", ContractError)
+    refused(lambda: LinearPlan(w, 4, tiles=(128, 64, 1)), "tiles", "LinearTiles", ContractError)
+    refused(lambda: EXL3Linear("w", 4), "w", "must be an EXL3Weight", ContractError)
+
+
 # --- outputs ----------------------------------------------------------------------------------------------------------
 
 def overlapping_outputs(rows: int, n: int, device: str) -> dict:

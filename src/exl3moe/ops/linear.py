@@ -127,8 +127,10 @@ class LinearPlan:
 
     def __init__(self, w: EXL3Weight, max_rows: int, tiles: LinearTiles | None = None):
         self.weight_key = check_weight(w)
-        if not isinstance(max_rows, int) or max_rows < 1:
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
             raise ContractError("max_rows", f"must be a positive int, got {max_rows!r}")
+        if tiles is not None and not isinstance(tiles, LinearTiles):
+            raise ContractError("tiles", f"must be a LinearTiles or None, got {type(tiles).__name__}")
         self.weight = w
         self.max_rows = max_rows
         self.tiles = tiles or plan_tiles(w.in_features, w.out_features, w.K)
