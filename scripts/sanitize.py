@@ -72,26 +72,31 @@ def _moe(name, family, E, H, I, top_k, T, env=None, expect=(), cuda=True, ws=Fal
 
 PAIRED_WS = {"WS": "1", "WS_PRODUCERS": "12", "X_TMA": "1"}
 SHALLOW_RING = {"EXL3MOE_MOE_WS_STAGE_KT": "4", "EXL3MOE_MOE_WS_STAGES": "3"}
+# Warp-specialized MoE cases on one expert (racecheck's time grows with the blocks that run): 96 rows in one
+# 128-row route block, hidden and intermediate of one chunk (gate/up and down in one k split).
+WS_MOE = (1, 128, 128, 1, 96)
 MOE_CASES = [
     *_moe("moe_direct", "moe_direct", 4, 256, 256, 2, 2, {},
           (("moe_gate_up_mma", {"DIRECT_ROUTE": "1"}), ("moe_down_mma", {"DIRECT_ROUTE": "1"}))),
     *_moe("moe_packed", "moe_packed", 8, 256, 256, 2, 20, {},
           (("moe_gate_up_mma", {"DIRECT_ROUTE": "0", "WS": None, "MT": "1"}), ("moe_down_mma", {"MT": "1"}))),
-    *_moe("moe_ws", "moe_ws", 2, 256, 128, 2, 64, {},
+    *_moe("moe_ws", "moe_ws", *WS_MOE, {},
           (("moe_rotate_input", {}), ("moe_gate_up_mma", PAIRED_WS), ("moe_down_ws", PAIRED_WS)), ws=True),
-    # A ring of 3 stages of 4 k-tiles: the stages' ranges walk it more than once, in turns of different warps.
-    *_moe("moe_ws_ring3", "moe_ws", 2, 256, 128, 2, 64, SHALLOW_RING,
+    # A ring of 3 stages of 4 k-tiles: a chunk is two stages, in turns of different warps, and the stage's range
+    # walks the ring on past its end.
+    *_moe("moe_ws_ring3", "moe_ws", *WS_MOE, SHALLOW_RING,
           (("moe_gate_up_mma", {**PAIRED_WS, "STAGES": "3", "STAGE_KT": "4"}),
            ("moe_down_ws", {**PAIRED_WS, "STAGES": "3"})), ws=True),
-    *_moe("moe_ws16", "moe_ws16", 2, 256, 128, 2, 64, {"EXL3MOE_MOE_WS_PAIRED": "0"},
+    *_moe("moe_ws16", "moe_ws16", *WS_MOE, {"EXL3MOE_MOE_WS_PAIRED": "0"},
           (("moe_gate_up_mma", {"WS": "1", "WS_PRODUCERS": None}), ("moe_down_ws", {"WS_PRODUCERS": None})),
           ws=True),
-    *_moe("moe_gate_up_ws", "moe_gate_up_ws", 2, 128, 128, 2, 64, {"EXL3MOE_MOE_WS_GATE_UP": "1"},
+    *_moe("moe_gate_up_ws", "moe_gate_up_ws", *WS_MOE, {"EXL3MOE_MOE_WS_GATE_UP": "1"},
           (("moe_gate_up_ws", {"WS": "1"}), ("moe_down_ws", {})), ws=True),
-    *_moe("moe_split", "moe_split_192_128", 2, 256, 128, 1, 320, {},
+    # 160 rows of one expert: a 192-row block (and an empty 128-row table), or 192-row blocks alone.
+    *_moe("moe_split", "moe_split_192_128", 1, 128, 128, 1, 160, {},
           (("moe_gate_up_mma", {"WS_BLOCK_ROWS": "192"}), ("moe_down_ws", {"WS_BLOCK_ROWS": "192"}),
            ("moe_gate_up_mma", {"WS": "1", "WS_BLOCK_ROWS": None})), ws=True),
-    *_moe("moe_wide", "moe_split_192_128", 2, 256, 128, 1, 320, {"EXL3MOE_MOE_SPLIT_ROUTE": "0"},
+    *_moe("moe_wide", "moe_split_192_128", 1, 128, 128, 1, 160, {"EXL3MOE_MOE_SPLIT_ROUTE": "0"},
           (("moe_gate_up_mma", {"WS_BLOCK_ROWS": "192"}), ("moe_down_ws", {"WS_BLOCK_ROWS": "192"})), ws=True),
     *_moe("moe_triton", "triton_moe", 4, 256, 256, 2, 8, {"EXL3MOE_CUDA_KERNELS": "0"}, cuda=False),
 ]
@@ -180,7 +185,8 @@ def moe_data(case: Case):
     from helpers import random_experts, random_stage
     s = case.shape
     g = torch.Generator().manual_seed(2)
-    experts = random_experts(s["E"], s["H"], s["I"], K_MIX * (s["E"] // 2), CB_MIX * (s["E"] // 2), generator=g)
+    experts = random_experts(s["E"], s["H"], s["I"], (K_MIX * s["E"])[:s["E"]], (CB_MIX * s["E"])[:s["E"]],
+                             generator=g)
     x = (torch.randn(s["T"], s["H"], generator=g) / 32).half()
     ids = torch.rand(s["T"], s["E"], generator=g).argsort(-1)[:, :s["top_k"]].to(torch.int32).contiguous()
     ids[-1, -1] = s["E"] + 3

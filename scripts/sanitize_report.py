@@ -68,9 +68,12 @@ def parse_report(text: str) -> Report:
     return report
 
 
-def run_status(report: Report, result: dict | None, timed_out: bool, sanitized: bool = True) -> str:
-    """clean, reports (kept reports), mismatch (the case's output missed the oracle), timeout, or error (the case
-    wrote no result, or a sanitized run's tool printed no summary)."""
+def run_status(report: Report, result: dict | None, timed_out: bool, sanitized: bool = True,
+               skipped: bool = False) -> str:
+    """clean, reports (kept reports), mismatch (the case's output missed the oracle), timeout, skipped (not started
+    within the sweep's budget), or error (the case wrote no result, or a sanitized run's tool printed no summary)."""
+    if skipped:
+        return "skipped"
     if timed_out:
         return "timeout"
     if result is not None and not result.get("ok", False):
@@ -86,7 +89,7 @@ def run_row(run: dict, log_text: str, result: dict | None) -> dict:
     """The JSON row of one run: `run` holds case, family, tool ("plain": no sanitizer), build, exit_code, seconds,
     timed_out; log_text is the tool's log, result the case's own verdict (sanitize.py --result)."""
     report = parse_report(log_text)
-    status = run_status(report, result, run["timed_out"], run["tool"] != "plain")
+    status = run_status(report, result, run["timed_out"], run["tool"] != "plain", run.get("skipped", False))
     return {"family": run["family"], "case": run["case"], "tool": run["tool"], "build": run["build"],
             "reports": len(report.kept), "filtered": len(report.filtered), "seconds": round(run["seconds"], 1),
             "status": status, "first_report": report.first, "exit_code": run["exit_code"],

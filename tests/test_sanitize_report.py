@@ -80,6 +80,7 @@ def test_a_log_cut_short_or_a_wrong_output_is_not_clean():
     assert run_status(clean, {"ok": False}, timed_out=False) == "mismatch"
     assert run_status(clean, None, timed_out=False) == "error"
     assert run_status(parse_report(""), {"ok": True}, timed_out=False, sanitized=False) == "clean"
+    assert run_status(parse_report(""), None, timed_out=False, skipped=True) == "skipped"
 
 
 def run(case, tool, build, log, result):

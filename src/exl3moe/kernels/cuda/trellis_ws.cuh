@@ -158,14 +158,29 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;
 #define RACECHECK_ORDER 0
 #endif
 constexpr int TURN_BARRIER0 = 2;   // named barriers 0 (__syncthreads) and 1 (consumers_sync) are taken
-static_assert(TURN_BARRIER0 + TURN_WARPS <= 16, "a named barrier per producer column");
+static_assert(TURN_BARRIER0 + TURN_WARPS <= 16 && TURN_WARPS <= 8, "a named barrier per producer column");
+
+template <int column>
+__device__ __forceinline__ void turn_barrier() {   // an immediate barrier id, as the tool reads it
+    asm volatile("bar.sync %0, %1;" ::"n"(TURN_BARRIER0 + column), "n"(K_TURNS * 32) : "memory");
+}
 
 // RACECHECK_ORDER: producer warp p meets the other turns' producers of its columns once for each of the range's ring
 // stages `passed`..`upto` - 1 (every producer meets once per stage, whichever turn writes it).
 __device__ __forceinline__ void turns_meet(int p, int& passed, int upto) {
     if constexpr (RACECHECK_ORDER) {
-        for (; passed < upto; passed++)
-            asm volatile("bar.sync %0, %1;" ::"r"(TURN_BARRIER0 + p % TURN_WARPS), "n"(K_TURNS * 32) : "memory");
+        for (; passed < upto; passed++) {
+            switch (p % TURN_WARPS) {
+                case 0: turn_barrier<0>(); break;
+                case 1: turn_barrier<1>(); break;
+                case 2: turn_barrier<2>(); break;
+                case 3: turn_barrier<3>(); break;
+                case 4: turn_barrier<4 % TURN_WARPS>(); break;
+                case 5: turn_barrier<5 % TURN_WARPS>(); break;
+                case 6: turn_barrier<6 % TURN_WARPS>(); break;
+                default: turn_barrier<7 % TURN_WARPS>(); break;
+            }
+        }
     }
 }
 
