@@ -17,8 +17,8 @@ mkdir -p "$LOGS"
 rm -f "$LOGS"/*.run.json
 TOOLS="${TOOLS:-memcheck racecheck synccheck initcheck}"
 JOBS="${JOBS:-12}"
-export CASE_TIMEOUT="${CASE_TIMEOUT:-150}" PLAIN_TIMEOUT="${PLAIN_TIMEOUT:-240}" DEADLINE=""
-SWEEP_BUDGET="${SWEEP_BUDGET:-330}"
+export CASE_TIMEOUT="${CASE_TIMEOUT:-120}" PLAIN_TIMEOUT="${PLAIN_TIMEOUT:-240}" DEADLINE=""
+SWEEP_BUDGET="${SWEEP_BUDGET:-300}"
 export SANITIZER="${SANITIZER:-$(command -v compute-sanitizer || ls -d /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | tail -1)}"
 if [ -z "$SANITIZER" ]; then echo "compute-sanitizer not found (set SANITIZER)"; exit 2; fi
 # name family ws|- env... per case
