@@ -1,7 +1,8 @@
 """CUDA C++ kernels compiled at run time with NVRTC (cuda-python's `cuda.bindings`), launched on torch's stream.
 
 Optional: without `cuda.bindings`, or with EXL3MOE_CUDA_KERNELS=0, callers use the Triton kernels instead.
-EXL3MOE_NVRTC_DEFINES="NAME=1,OTHER=2" adds -D options to every compile (for kernel experiments).
+EXL3MOE_NVRTC_DEFINES="NAME=1,OTHER=2" adds -D options to every compile (for kernel experiments; RACECHECK_ORDER=1
+for sanitizer runs), EXL3MOE_NVRTC_LINEINFO=1 adds -lineinfo.
 Compiled cubins are kept on disk (cache_dir) keyed by source, options, architecture and NVRTC version; each
 variant a process loads is also noted there (variants/), so that a machine with the same NVRTC and no GPU can
 rebuild the cache for newer sources (rebuild_variants, scripts/warm_cache.py).
@@ -52,11 +53,17 @@ def _check(result, what: str):
 OPTIONS = ("-std=c++17", "-default-device", "--fmad=false")
 
 
+def options() -> tuple:
+    """OPTIONS, and -lineinfo where EXL3MOE_NVRTC_LINEINFO=1 (sanitizer and profiler reports then name lines of the
+    compiled text, nvrtc.source's concatenation)."""
+    return OPTIONS + (("-lineinfo",) if os.environ.get("EXL3MOE_NVRTC_LINEINFO") == "1" else ())
+
+
 def compile_cubin(source: str, defines: dict, arch: str) -> bytes:
     """Compile CUDA C++ source to a cubin for `arch` (e.g. "sm_90")."""
     _, nvrtc = _bindings()
     prog = _check(nvrtc.nvrtcCreateProgram(source.encode(), b"kernel.cu", 0, [], []), "nvrtcCreateProgram")
-    opts = [f"--gpu-architecture={arch}".encode()] + [o.encode() for o in OPTIONS]
+    opts = [f"--gpu-architecture={arch}".encode()] + [o.encode() for o in options()]
     opts += [f"-D{key}={value}".encode() for key, value in defines.items()]
     err, = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
     if int(err) != 0:
@@ -91,7 +98,7 @@ def cubin_path(text: str, defines: dict, arch: str) -> str | None:
     directory = cache_dir()
     if directory is None:
         return None
-    key = "|".join([nvrtc_version(), arch, *OPTIONS, *(f"{k}={v}" for k, v in sorted(defines.items())), text])
+    key = "|".join([nvrtc_version(), arch, *options(), *(f"{k}={v}" for k, v in sorted(defines.items())), text])
     return os.path.join(directory, hashlib.sha256(key.encode()).hexdigest() + ".cubin")
 
 

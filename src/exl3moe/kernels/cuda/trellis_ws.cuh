@@ -152,6 +152,38 @@ __device__ __forceinline__ void ws_roles(Produce&& produce, Consume&& consume) {
 
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMERS * 32) : "memory"); }
 
+#ifndef RACECHECK_ORDER
+// Sanitizer builds: the producers of one tile column (one per turn) also pass each ring stage of a range together
+// at a named barrier, an order racecheck sees; the ring's mbarrier parity waits order them anyway.
+#define RACECHECK_ORDER 0
+#endif
+constexpr int TURN_BARRIER0 = 2;   // named barriers 0 (__syncthreads) and 1 (consumers_sync) are taken
+static_assert(TURN_BARRIER0 + TURN_WARPS <= 16 && TURN_WARPS <= 8, "a named barrier per producer column");
+
+template <int column>
+__device__ __forceinline__ void turn_barrier() {   // an immediate barrier id, as the tool reads it
+    asm volatile("bar.sync %0, %1;" ::"n"(TURN_BARRIER0 + column), "n"(K_TURNS * 32) : "memory");
+}
+
+// RACECHECK_ORDER: producer warp p meets the other turns' producers of its columns once for each of the range's ring
+// stages `passed`..`upto` - 1 (every producer meets once per stage, whichever turn writes it).
+__device__ __forceinline__ void turns_meet(int p, int& passed, int upto) {
+    if constexpr (RACECHECK_ORDER) {
+        for (; passed < upto; passed++) {
+            switch (p % TURN_WARPS) {
+                case 0: turn_barrier<0>(); break;
+                case 1: turn_barrier<1>(); break;
+                case 2: turn_barrier<2>(); break;
+                case 3: turn_barrier<3>(); break;
+                case 4: turn_barrier<4 % TURN_WARPS>(); break;
+                case 5: turn_barrier<5 % TURN_WARPS>(); break;
+                case 6: turn_barrier<6 % TURN_WARPS>(); break;
+                default: turn_barrier<7 % TURN_WARPS>(); break;
+            }
+        }
+    }
+}
+
 // The words of a producer's PRODUCER_COLS tile columns (adjacent in the trellis) of the k-tile `offset` words on.
 template <class T>
 __device__ __forceinline__ void load_columns(const WordStream<T>& stream, u32 (&w)[PRODUCER_COLS][T::NW],
@@ -165,16 +197,18 @@ __device__ __forceinline__ void load_columns(const WordStream<T>& stream, u32 (&
 template <class T>
 __device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* empty, WordStream<T>& stream,
                                                      size_t k_tile, size_t k_step, int p, int turn, int mine,
-                                                     u32 cursor) {
+                                                     u32 cursor, int stages) {
     constexpr int ROLL = PF;
     const u32 sh = stream.shift;
     u32 buf[ROLL][PRODUCER_COLS][T::NW];
+    int passed = 0;   // RACECHECK_ORDER: the range's stages this warp has met the other turns for
 #pragma unroll
     for (int t = 0; t < ROLL; t++)
         if (mine > 0) load_columns(stream, buf[t], t * k_tile);
     for (int j = 0; j < mine; j++) {
         const u32 i = cursor + j * K_TURNS + turn, s = i % STAGES;
         u32* dst = ring + s * STAGE_U32 + producer_column(p) * 128 + (threadIdx.x & 31);   // as in produce
+        turns_meet(p, passed, j * K_TURNS + turn);
         ws_trace(1);
         mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
         ws_trace(2);
@@ -200,14 +234,16 @@ __device__ __forceinline__ void produce_whole_chunks(u32* ring, u64* full, u64* 
             for (int c = 0; c < PRODUCER_COLS; c++)
 #pragma unroll
                 for (int f = 0; f < 4; f++)
-                    if (!(WS_DIAG & 32)) dst[t * KTILE_U32 + c * 128 + 32 * f] = b[c][f];
+                    if (!(WS_DIAG & 32)) dst[t * KTILE_U32 + c * 128 + 32 * f] = b[c][f];   // ordered as produce's
         }
         stream.advance(k_step);
         if (!(WS_DIAG & 8))
             asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
         warp_arrive(full + s);
+        turns_meet(p, passed, j * K_TURNS + turn + 1);
         ws_trace(3);
     }
+    turns_meet(p, passed, stages);
 }
 
 // Producer warp p: tile columns jt.. (the block's producer_column(p)th and the PRODUCER_COLS - 1 after it) of the
@@ -219,17 +255,17 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
                                        int jt, int kt_begin, int kt_end, int p, u32 cursor) {
     using T = Trellis<K2_, CB_>;
     const int lane = threadIdx.x & 31;
-    const int turn = p / TURN_WARPS;   // k ranges: whole chunks
-    const int mine = WHOLE_CHUNK_STAGES ? ((kt_end - kt_begin) / STAGE_KT + K_TURNS - 1 - turn) / K_TURNS
-                                        : (kt_end - kt_begin) / (STAGE_KT * K_TURNS);
+    const int turn = p / TURN_WARPS, stages = (kt_end - kt_begin) / STAGE_KT;   // k ranges: whole chunks
+    const int mine = WHOLE_CHUNK_STAGES ? (stages + K_TURNS - 1 - turn) / K_TURNS : stages / K_TURNS;
     const size_t k_tile = (size_t)tiles_n * T::WT, k_step = k_tile * STAGE_KT * K_TURNS;
     WordStream<T> stream(words, jt, (kt_begin + STAGE_KT * turn) * k_tile);
     const u32 sh = stream.shift;
     if constexpr (WHOLE_CHUNK_STAGES) {
-        produce_whole_chunks<T>(ring, full, empty, stream, k_tile, k_step, p, turn, mine, cursor);
+        produce_whole_chunks<T>(ring, full, empty, stream, k_tile, k_step, p, turn, mine, cursor, stages);
         return;
     }
     u32 buf[PF_STAGES][STAGE_KT][T::NW];
+    int passed = 0;   // RACECHECK_ORDER: the range's stages this warp has met the other turns for
 #pragma unroll
     for (int q = 0; q < PF_STAGES; q++) {
 #pragma unroll
@@ -253,12 +289,14 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
                 if (!(WS_DIAG & 16)) stream.load(buf[q][t], t * k_tile);
             }
             if (j + PF_STAGES + 1 < mine) stream.advance(k_step);
+            turns_meet(p, passed, j * K_TURNS + turn);
             ws_trace(1);
             mbar_wait(empty + s, ((i / STAGES) & 1) ^ 1);
             ws_trace(2);
             // Fragment b[t][f] of every lane is one 8 x 8 core matrix of k-tile t (n-octet 2 jt + f / 2, k-octet
             // f % 2), 128 bytes.
             u32* dst = ring + s * STAGE_U32 + producer_column(p) * 128 + lane;
+            // After the slot's last use by mbarrier parity: full, consumers' wgmma wait, empty (see RACECHECK_ORDER).
 #pragma unroll
             for (int t = 0; t < STAGE_KT; t++)
 #pragma unroll
@@ -267,9 +305,11 @@ __device__ __forceinline__ void produce(u32* ring, u64* full, u64* empty, const 
             if (!(WS_DIAG & 8))
                 asm volatile("fence.proxy.async.shared::cta;" ::: "memory");   // visible to the tensor cores' reads
             warp_arrive(full + s);
+            turns_meet(p, passed, j * K_TURNS + turn + 1);
             ws_trace(3);
         }
     }
+    turns_meet(p, passed, stages);
 }
 
 // Byte offset of (row, 16-byte piece p of its 128 inputs) in a staged chunk for wgmma's 128-byte swizzle: two
