@@ -6,7 +6,7 @@ import argparse
 import torch
 
 from exl3moe import EXL3Weight
-from exl3moe.kernels import trellis_mma as tmma
+from exl3moe.kernels import trellis_dense
 from exl3moe.kernels.trellis_decode import trellis_decode
 from exl3moe.ops.linear import LinearPlan
 from exl3moe.timing import copies_for, time_graph
@@ -23,9 +23,10 @@ def main(args):
         dense = torch.empty(k, n, device="cuda", dtype=torch.float16)
         line = f"{k}x{n} K{args.K} {args.codebook}:"
         for kt in args.ktiles:
-            tmma.DENSE_KTILES = kt
-            line += f" cuda decode/{kt} {time_graph([lambda w=w: tmma.decode_dense(w, dense) for w in ws]):6.1f}"
-        tmma.DENSE_KTILES = args.ktiles[0]
+            trellis_dense.DENSE_KTILES = kt
+            us = time_graph([lambda w=w: trellis_dense.decode_dense(w, dense) for w in ws])
+            line += f" cuda decode/{kt} {us:6.1f}"
+        trellis_dense.DENSE_KTILES = args.ktiles[0]
         triton = time_graph([lambda w=w: trellis_decode(w.trellis, w.K, w.codebook, dense) for w in ws])
         line += f" | triton decode {triton:6.1f}"
         x = (torch.randn(args.rows, k, device="cuda", generator=g) * 0.1).half()

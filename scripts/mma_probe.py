@@ -8,7 +8,9 @@ import os
 import torch
 
 from exl3moe import EXL3Weight
-from exl3moe.kernels import trellis_mma as tmma
+from exl3moe.kernels.trellis_mma import counter_count
+from exl3moe.ops.linear_cuda import trellis_mma
+from exl3moe.ops.linear_planning import plan_mma
 from exl3moe.ops.linear import LinearPlan
 from exl3moe.timing import copies_for, time_graph
 
@@ -41,16 +43,16 @@ def main(args):
                 line += f" | triton {planned_time(ws, rows, x, out, '0'):6.1f}"
             line += f" | planned {planned_time(ws, rows, x, out):6.1f} |"
             ref = out.clone()
-            counters = torch.zeros(tmma.counter_count(n, rows), dtype=torch.int32, device="cuda")
+            counters = torch.zeros(counter_count(n, rows), dtype=torch.int32, device="cuda")
             for target in args.targets:
-                m = tmma.plan_mma(k, n, target)
+                m = plan_mma(k, n, target)
                 part = torch.empty(m.splits, rows, n, device="cuda")
                 for pf in args.prefetch:
                     for nt in args.nt:
                         for mt in args.mt:
-                            us = time_graph([lambda w=w: tmma.trellis_mma(x, w, part, counters, out, m, pf, nt or None,
+                            us = time_graph([lambda w=w: trellis_mma(x, w, part, counters, out, m, pf, nt or None,
                                                                           mt or None) for w in ws])
-                            tmma.trellis_mma(x, ws[-1], part, counters, out, m, pf, nt or None, mt or None)
+                            trellis_mma(x, ws[-1], part, counters, out, m, pf, nt or None, mt or None)
                             err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                             line += f" w{target}/s{m.splits}/pf{pf}/nt{nt}/mt{mt} {us:6.1f} ({err:.0e})"
             print(line, flush=True)

@@ -393,8 +393,9 @@ def test_moe_ring_stages_follow_the_settings(monkeypatch, env, ring):
 
 
 def test_linear_launches_match_the_kernel_signatures(launches):
-    from exl3moe.kernels.trellis_mma import (DENSE_KTILES, decode_dense, dense_epilogue, plan_mma, rotate_input,
-                                             trellis_mma)
+    from exl3moe.kernels.trellis_dense import DENSE_KTILES, decode_dense, dense_epilogue
+    from exl3moe.ops.linear_cuda import rotate_input, trellis_mma
+    from exl3moe.ops.linear_planning import plan_mma
 
     w = random_weight(256, 384, 3, "mul1", bias=True)
     tiles = plan_mma(256, 384)
@@ -417,17 +418,18 @@ def test_linear_launches_match_the_kernel_signatures(launches):
 @pytest.mark.parametrize("splits", [2, 11])
 def test_cluster_launch_groups_whole_splits_and_allows_non_portable_sizes(launches, monkeypatch, splits):
     from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     defines, allowed = [], []
-    monkeypatch.setattr(tm, "clusters_on", lambda device: True)
+    monkeypatch.setattr(lp, "clusters_on", lambda device: True)
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, d, index, prelude="", arch_suffix="": (
         defines.append(dict(d)) or (file, name, prelude)))
     monkeypatch.setattr(nvrtc, "allow_non_portable_clusters", allowed.append)
     k, n = 128 * splits, 384
     w = random_weight(k, n, 2, "mcg")
-    tiles = tm.plan_mma(k, n)
+    tiles = lp.plan_mma(k, n)
     assert tiles.splits == splits
-    tm.trellis_mma(torch.randn(1, k).half(), w, torch.empty(splits, 1, n), torch.zeros(64, dtype=torch.int32),
+    lc.trellis_mma(torch.randn(1, k).half(), w, torch.empty(splits, 1, n), torch.zeros(64, dtype=torch.int32),
                    torch.empty(1, n).half(), tiles)
     check(launches)
     assert defines[-1]["CLUSTER_SPLITS"] == splits and launches[-1][1] == (n // 128, splits, 1)
@@ -438,7 +440,7 @@ def test_cluster_launch_groups_whole_splits_and_allows_non_portable_sizes(launch
 @pytest.mark.parametrize("spb_env, expected_spb", [("", 1), ("3", 3)])
 def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, spb_env, expected_spb, x_tma):
     """The linear's trellis_ws launch, with x by TMA (a tensor map over the call's rows, X_TMA) or by cp.async."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     monkeypatch.setenv("EXL3MOE_WS_SPB", spb_env)
     monkeypatch.setenv("EXL3MOE_WS_X_TMA", x_tma)
@@ -449,9 +451,9 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="": (
         file, name, dict(defines).get("X_TMA", 0), dict(defines).get("DEFER_REDUCE", 0)))
     w = random_weight(4096, 14336 // 8, 4, "mcg")  # 14 column blocks: 9 split groups fit in one wave
-    tiles = tm.MmaTiles(8, 32)
+    tiles = lp.MmaTiles(8, 32)
     x = torch.randn(100, 4096).half()
-    tm._launch_ws(x, w, torch.empty(8, 100, 1792), torch.zeros(64, dtype=torch.int32), torch.empty(100, 1792).half(),
+    lc._launch_ws(x, w, torch.empty(8, 100, 1792), torch.zeros(64, dtype=torch.int32), torch.empty(100, 1792).half(),
                   tiles)
     check(launches)
     (func, grid, block, args, early), reduce = launches
@@ -473,18 +475,18 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
 def test_warp_specialized_linear_launches_early_after_its_rotation(launches, monkeypatch, env, expected):
     """trellis_ws right after rotate_input is its programmatic dependent (EXL3MOE_LINEAR_EARLY=0: not), and only
     there: a call handed a rotated x by anyone else launches after the stream's last kernel."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     if env:
         monkeypatch.setenv("EXL3MOE_LINEAR_EARLY", env)
-    assert tm.ws_launches_early(torch.device("cuda")) == expected
-    assert not tm.ws_launches_early(torch.device("cpu"))
-    monkeypatch.setattr(tm, "ws_launches_early", lambda device: os.environ.get("EXL3MOE_LINEAR_EARLY") != "0")
+    assert lp.ws_launches_early(torch.device("cuda")) == expected
+    assert not lp.ws_launches_early(torch.device("cpu"))
+    monkeypatch.setattr(lp, "ws_launches_early", lambda device: os.environ.get("EXL3MOE_LINEAR_EARLY") != "0")
     w = random_weight(4096, 1792, 4, "mcg")
-    tiles = tm.plan_mma(4096, 1792)
+    tiles = lp.plan_mma(4096, 1792)
     x = torch.randn(100, 4096).half()
     for after_rotate in (True, False):
-        tm._launch_ws(x, w, torch.empty(tiles.splits, 100, 1792), torch.zeros(64, dtype=torch.int32),
+        lc._launch_ws(x, w, torch.empty(tiles.splits, 100, 1792), torch.zeros(64, dtype=torch.int32),
                       torch.empty(100, 1792).half(), tiles, after_rotate)
     check(launches)
     ws = [early for (_, name, *_), _, _, _, early in launches if name == "trellis_ws"]
@@ -498,21 +500,21 @@ def test_linear_calls_launch_after_the_previous_kernel(launches, monkeypatch, en
     their L2 prefetch depth: 8 k-tiles on grids of at most one block per SM, none above; grids of more than one and at
     most 6 blocks per SM that rotate x themselves let their dependents launch only as their blocks exit (CHAIN_LATE).
     A 20-row call's split reduction follows its matmul the same way (EXL3MOE_LINEAR_CHAIN=0: nothing chains)."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     if env:
         monkeypatch.setenv("EXL3MOE_LINEAR_CHAIN", env)
-    assert not tm.chain_capable(torch.device("cpu"))
-    monkeypatch.setattr(tm, "chain_capable", lambda device: True)
+    assert not lp.chain_capable(torch.device("cpu"))
+    monkeypatch.setattr(lp, "chain_capable", lambda device: True)
     monkeypatch.setattr(nvrtc, "sm_count", lambda device: 32)
     compiled = []
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="":
                         compiled.append((name, dict(defines))) or (file, name, prelude))
     small, mid, large = (random_weight(k, n, 2, "mcg") for k, n in ((256, 384), (1024, 1024), (2048, 2048)))
     for w, rows in ((small, 1), (small, 20), (mid, 1), (large, 1)):
-        tiles = tm.plan_mma(w.in_features, w.out_features)
+        tiles = lp.plan_mma(w.in_features, w.out_features)
         x = torch.randn(rows, w.in_features).half()
-        tm.trellis_mma(x, w, torch.empty(tiles.splits, rows, w.out_features), torch.zeros(64, dtype=torch.int32),
+        lc.trellis_mma(x, w, torch.empty(tiles.splits, rows, w.out_features), torch.zeros(64, dtype=torch.int32),
                        torch.empty(rows, w.out_features).half(), tiles)
     check(launches)
     mma = [(grid[0] * grid[1], early) for (_, name, *_), grid, _, _, early in launches if name == "trellis_mma"]
@@ -532,12 +534,12 @@ def test_rotated_calls_chain_their_launches(launches, monkeypatch, env):
     dependents of the kernel before each (rotate_input and reduce_splits compiled with CHAIN); at 5..16 rows (one m16
     tile, a weight of 16M entries) rotate_input and trellis_mma let their dependents launch only as their blocks exit
     (CHAIN_LATE). EXL3MOE_LINEAR_CHAIN=0: nothing chains."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_planning as lp
     from exl3moe.ops import linear as linear_ops
 
     if env:
         monkeypatch.setenv("EXL3MOE_LINEAR_CHAIN", env)
-    monkeypatch.setattr(tm, "chain_capable", lambda device: True)
+    monkeypatch.setattr(lp, "chain_capable", lambda device: True)
     monkeypatch.setattr(linear_ops, "use_triton", lambda x: True)
     compiled = []
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="":
@@ -579,6 +581,8 @@ def test_linear_paired_producers_launch(launches, monkeypatch, env):
     """Paired producers: 640 threads, WS_PRODUCERS 12 and a ring of 5 stages, where each block runs every split
     (4096 x 14336: 112 column blocks on 132 SMs) or where EXL3MOE_WS_PAIRED=1 asks; not on 14336 x 4096."""
     from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.kernels import trellis_ws as tws
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     if env:
         monkeypatch.setenv("EXL3MOE_WS_PAIRED", env)
@@ -591,16 +595,16 @@ def test_linear_paired_producers_launch(launches, monkeypatch, env):
     for k, n in ((4096, 14336), (14336, 4096)):
         w = random_weight(k, n, 4, "mcg")
         x = torch.randn(100, k).half()
-        tiles = tm.plan_mma(k, n)
-        tm._launch_ws(x, w, torch.empty(tiles.splits, 100, n), torch.zeros(tm.counter_count(n, 128), dtype=torch.int32),
+        tiles = lp.plan_mma(k, n)
+        lc._launch_ws(x, w, torch.empty(tiles.splits, 100, n), torch.zeros(tm.counter_count(n, 128), dtype=torch.int32),
                       torch.empty(100, n).half(), tiles)
     check(launches)
     for (k, n), (_, grid, block, _, _), d, shared in zip(((4096, 14336), (14336, 4096)), launches, defines,
                                                          shared_bytes):
         paired = env == "1" or n == 14336
         assert (block, d.get("WS_PRODUCERS"), d["STAGES"]) == ((640, 12, 5) if paired else (768, None, 3)), (k, n)
-        assert shared == tm.ws_shared_bytes(d.get("X_TMA", 0) == 1, paired) <= 227 * 1024
-        assert tm.ws_paired(k, n, tm.plan_mma(k, n).splits, 132) == paired
+        assert shared == tws.ws_shared_bytes(d.get("X_TMA", 0) == 1, paired) <= 227 * 1024
+        assert lp.ws_paired(k, n, lp.plan_mma(k, n).splits, 132) == paired
 
 
 @pytest.mark.parametrize("k, n, K, codebook, env, expected", [
@@ -612,7 +616,7 @@ def test_linear_paired_producers_launch(launches, monkeypatch, env):
 def test_linear_x_by_tma_where_it_measured_faster(monkeypatch, k, n, K, codebook, env, expected):
     """trellis_ws takes x by TMA for weights of 16M entries or more, in MUL1 and at K 1 / 2 / 4 / 8;
     EXL3MOE_WS_X_TMA forces either way."""
-    from exl3moe.kernels.trellis_mma import ws_x_tma
+    from exl3moe.ops.linear_planning import ws_x_tma
 
     if env is not None:
         monkeypatch.setenv("EXL3MOE_WS_X_TMA", env)
@@ -621,7 +625,7 @@ def test_linear_x_by_tma_where_it_measured_faster(monkeypatch, k, n, K, codebook
 
 
 def test_splits_per_block_keep_one_wave():
-    from exl3moe.kernels.trellis_mma import ws_splits_per_block
+    from exl3moe.ops.linear_planning import ws_splits_per_block
 
     assert ws_splits_per_block(8, 112, 132) == 8, "112 column blocks: one split group"
     assert ws_splits_per_block(28, 32, 132) == 7, "32 column blocks: 4 groups of 7 splits"
@@ -708,19 +712,19 @@ def test_packed_plans_of_many_slots_or_formats_pre_rotate(monkeypatch, block_m, 
 def test_few_column_groups_leave_their_split_reduction_to_reduce_splits(monkeypatch, env):
     """trellis_ws blocks of split groups hand their reduction to reduce_splits; trellis_mma does from 2 m16 tiles where
     its column groups would occupy under half the SMs, never in a cluster; the variables force it off / on."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_planning as lp
 
     for name in ("EXL3MOE_WS_SPLIT_REDUCE", "EXL3MOE_MMA_SPLIT_REDUCE"):
         if env is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, env)
-    assert not tm.ws_defers_reduce(8, 14336, 132), "whole-split blocks keep their sum in shared memory"
-    assert tm.ws_defers_reduce(8, 1792, 132) == (env != "0")   # 14 column blocks: split groups
+    assert not lp.ws_defers_reduce(8, 14336, 132), "whole-split blocks keep their sum in shared memory"
+    assert lp.ws_defers_reduce(8, 1792, 132) == (env != "0")   # 14 column blocks: split groups
     planned = {(2, 0, 32): True, (8, 0, 65): True, (2, 0, 66): False, (1, 0, 11): False, (4, 6, 11): False}
     for (mt, cluster, groups), expected in planned.items():
         wanted = {None: expected, "0": False, "1": not cluster}[env]
-        assert tm.mma_defers_reduce(mt, cluster, groups, 132) == wanted, (mt, cluster, groups)
+        assert lp.mma_defers_reduce(mt, cluster, groups, 132) == wanted, (mt, cluster, groups)
 
 
 def test_stage_plans_keep_their_doubled_grid_rows_within_the_limit(launches):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from exl3moe.kernels import nvrtc
-from exl3moe.kernels.trellis_mma import CHUNK_K, counter_count, m_tiles, plan_mma
+from exl3moe.kernels.trellis_mma import CHUNK_K, counter_count
+from exl3moe.ops.linear_planning import m_tiles, plan_mma
 
 
 @pytest.mark.parametrize("k,n", [(128, 128), (768, 2048), (2048, 768), (4096, 14336), (14336, 4096), (1408, 4096)])
@@ -38,7 +39,7 @@ def test_cuda_source_is_packaged_and_cpu_tensors_do_not_use_it():
 
 
 def test_rotation_fusion_depends_on_rows_and_shape_only():
-    from exl3moe.kernels.trellis_mma import fuses_rotation
+    from exl3moe.ops.linear_planning import fuses_rotation
     assert fuses_rotation(16, 2048, 768) and not fuses_rotation(17, 2048, 768)
     assert fuses_rotation(4, 4096, 14336) and not fuses_rotation(5, 4096, 14336)
 
@@ -200,23 +201,23 @@ def test_direct_route_limit_depends_on_slots_and_formats():
 
 
 def test_warp_specialized_kernel_takes_every_weight_from_the_row_threshold(monkeypatch):
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_planning as lp
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    rows, mid, large = tm.WS_MIN_ROWS, tm.WS_MIN_ROWS_MID, tm.WS_MIN_ROWS_LARGE
-    assert tm.uses_ws(rows, 768, 2048, cuda) and tm.uses_ws(mid, 4096, 1408, cuda)
-    assert tm.uses_ws(large, 4096, 14336, cuda)
-    assert not tm.uses_ws(rows - 1, 768, 2048, cuda), "fewer rows stay on trellis_mma"
-    assert not tm.uses_ws(mid - 1, 1408, 4096, cuda), "mid-size weights from more rows"
-    assert not tm.uses_ws(large - 1, 14336, 4096, cuda), "large weights from more rows still"
-    assert not tm.uses_ws(128, 2048, 768, torch.device("cpu"))
+    rows, mid, large = lp.WS_MIN_ROWS, lp.WS_MIN_ROWS_MID, lp.WS_MIN_ROWS_LARGE
+    assert lp.uses_ws(rows, 768, 2048, cuda) and lp.uses_ws(mid, 4096, 1408, cuda)
+    assert lp.uses_ws(large, 4096, 14336, cuda)
+    assert not lp.uses_ws(rows - 1, 768, 2048, cuda), "fewer rows stay on trellis_mma"
+    assert not lp.uses_ws(mid - 1, 1408, 4096, cuda), "mid-size weights from more rows"
+    assert not lp.uses_ws(large - 1, 14336, 4096, cuda), "large weights from more rows still"
+    assert not lp.uses_ws(128, 2048, 768, torch.device("cpu"))
     monkeypatch.setenv("EXL3MOE_WS", "0")
-    assert not tm.uses_ws(128, 2048, 768, cuda)
+    assert not lp.uses_ws(128, 2048, 768, cuda)
     monkeypatch.setenv("EXL3MOE_WS", "1")
     for capability in ((8, 0), (10, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert not tm.uses_ws(128, 2048, 768, cuda), "wgmma is sm_90a only"
+        assert not lp.uses_ws(128, 2048, 768, cuda), "wgmma is sm_90a only"
 
 
 @pytest.mark.parametrize("K", [1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
@@ -233,7 +234,8 @@ def test_words_per_lane_cover_every_lane_window(K):
 
 
 def test_whole_split_prefetch_only_on_small_grids_of_two_word_formats():
-    from exl3moe.kernels.trellis_mma import PREFETCH, WHOLE_SPLIT_PREFETCH, prefetch_for
+    from exl3moe.kernels.trellis_mma import PREFETCH
+    from exl3moe.ops.linear_planning import WHOLE_SPLIT_PREFETCH, prefetch_for
 
     assert [prefetch_for(1, 768, 2048, K) for K in (1, 1.5, 2, 3, 4, 6, 8)] == \
         [WHOLE_SPLIT_PREFETCH] * 3 + [PREFETCH, WHOLE_SPLIT_PREFETCH, PREFETCH, PREFETCH]
@@ -251,7 +253,8 @@ def test_benchmark_copies_cycle_past_the_l2():
 
 
 def test_clusters_take_small_grids_of_two_to_sixteen_splits_in_128_column_blocks(monkeypatch):
-    from exl3moe.kernels.trellis_mma import CLUSTER_MAX_BLOCKS, MAX_CLUSTER, cluster_splits
+    from exl3moe.kernels.trellis_mma import MAX_CLUSTER
+    from exl3moe.ops.linear_planning import CLUSTER_MAX_BLOCKS, cluster_splits
 
     monkeypatch.delenv("EXL3MOE_LINEAR_CLUSTER", raising=False)
     assert [cluster_splits(2, s, 16) for s in (1, 2, 6, 11, MAX_CLUSTER, MAX_CLUSTER + 1)] == [0, 2, 6, 11, 16, 0]
@@ -265,7 +268,8 @@ def test_clusters_take_small_grids_of_two_to_sixteen_splits_in_128_column_blocks
 
 
 def test_one_row_calls_that_fit_one_wave_at_seven_blocks_per_sm_get_registers_for_seven():
-    from exl3moe.kernels.trellis_mma import ONE_WAVE_MIN_BLOCKS, PREFETCH, one_wave_min_blocks
+    from exl3moe.kernels.trellis_mma import PREFETCH
+    from exl3moe.ops.linear_planning import ONE_WAVE_MIN_BLOCKS, one_wave_min_blocks
 
     sms = 132
     tiles = plan_mma(4096, 14336)

@@ -16,8 +16,9 @@ import torch
 from ..errors import ContractError
 from . import nvrtc
 from .trellis_decode import CODEBOOK_ID
-from .trellis_mma import (CHUNK_K, PAIR_SCALAR_MAX_MT, WS_STAGE_KTILES, WS_STAGES, chunk_splits,
-                          pair_scalar, ws_ring_shared_bytes, ws_threads)
+from ..ops.linear_planning import chunk_splits
+from .trellis_mma import CHUNK_K, PAIR_SCALAR_MAX_MT, pair_scalar
+from .trellis_ws import WS_STAGE_KTILES, WS_STAGES, ws_ring_shared_bytes, ws_threads
 
 PREFETCH = 4
 CHUNK_KTILES, MIXED_KTILE_UNROLL = CHUNK_K // 16, 4  # the mainloop's CHUNK; a multiple of PREFETCH dividing it
