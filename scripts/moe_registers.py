@@ -13,9 +13,9 @@ import tempfile
 
 from nvrtc_check import res_usage
 
-from exl3moe.kernels import moe_mma, nvrtc
+from exl3moe.kernels import moe_mma_config, moe_mma_source, nvrtc
 
-P = moe_mma.MoeMmaPlan
+P = moe_mma_config.MoeMmaPlan
 SEVEN = tuple((k2, 1) for k2 in (4, 6, 8, 10, 12, 14, 16))
 PLANS = {   # (2K, codebook id) formats; direct plans are one token's, packed ones a 4-64-token call's
     "direct-k4": P(16, 4, ((8, 1),), ((8, 1),), (), 8, 16, 6, 8, False, True, small_call=True, one_wave=True),
@@ -50,7 +50,7 @@ def source_at(rev: str) -> str:
 
 
 def usage(plan, name: str, extra: dict, text: str) -> str:
-    defines, prelude = moe_mma.kernel_source(plan, name)
+    defines, prelude = moe_mma_source.kernel_source(plan, name)
     res = res_usage(prelude + text, {**dict(defines), **extra})
     m = re.search(r"Function %s:\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+)" % name, res)
     return f"{m[1]}r {m[2]}s {int(m[3]) // 1024}K" if m else "?"

@@ -47,7 +47,9 @@ def test_rotation_fusion_depends_on_rows_and_shape_only():
 def test_moe_mma_layout_covers_every_projection_and_stage_format():
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import _dispatch, formats_up_to, moe_mma_layout, warps_for
+    from exl3moe.kernels.moe_mma_config import warps_for
+    from exl3moe.kernels.moe_mma_source import _dispatch
+    from exl3moe.ops.moe_planning import formats_up_to, moe_mma_layout
 
     experts = random_experts(6, 256, 384, K=[4, 2.5, 4, 3, 4, 2.5],
                              codebook=["mcg", "mul1", "3inst", "mul1", "mcg", "mul1"])
@@ -72,7 +74,7 @@ def test_moe_mma_layout_covers_every_projection_and_stage_format():
 def test_packed_plans_split_for_more_warps_with_gate_up_splits_of_three_chunks_or_more():
     from types import SimpleNamespace
 
-    from exl3moe.kernels.moe_mma import PACKED_MIN_SPLIT_CHUNKS, moe_mma_layout
+    from exl3moe.ops.moe_planning import PACKED_MIN_SPLIT_CHUNKS, moe_mma_layout
 
     def shape(H, I):
         w = SimpleNamespace(K=4, codebook="mcg")
@@ -90,7 +92,8 @@ def test_packed_plans_split_for_more_warps_with_gate_up_splits_of_three_chunks_o
 
 
 def test_few_format_stage_plans_take_one_switch_at_16_rows_and_five_blocks_per_sm_at_32(monkeypatch):
-    from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, union_stages
+    from exl3moe.kernels.moe_mma_config import MoeMmaPlan
+    from exl3moe.kernels.moe_mma_source import kernel_source, union_stages
 
     plan = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((2, 1), (4, 1)), 2, 64, 1, 48, False)
     assert union_stages(plan)
@@ -121,8 +124,9 @@ def test_one_format_direct_kernels_of_one_wave_take_the_bound_formats_registers(
     two waves and stage plans keep their bounds."""
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
-                                         DIRECT_GATE_UP_MIN_BLOCKS, kernel_source, moe_mma_layout)
+    from exl3moe.kernels.moe_mma_source import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
+                                                DIRECT_GATE_UP_MIN_BLOCKS, kernel_source)
+    from exl3moe.ops.moe_planning import moe_mma_layout
 
     direct = moe_mma_layout(random_experts(4, 256, 256, K=K, codebook="mcg"), max_slots=8, block_m=16, direct=True)
     gate_up = lambda plan: dict(kernel_source(plan, "moe_gate_up_mma")[0]).get("MIN_BLOCKS")  # noqa: E731
@@ -141,9 +145,10 @@ def test_one_format_direct_kernels_of_one_wave_take_the_bound_formats_registers(
 def test_decode_variants_follow_block_rows_and_format_count():
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
-                                         DIRECT_GATE_UP_MIN_BLOCKS, kernel_source, moe_mma_layout)
+    from exl3moe.kernels.moe_mma_source import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
+                                                DIRECT_GATE_UP_MIN_BLOCKS, kernel_source)
     from exl3moe.kernels.trellis_mma import pair_scalar
+    from exl3moe.ops.moe_planning import moe_mma_layout
 
     assert [pair_scalar(mt) for mt in (1, 2, 4, 8)] == [3, 3, 0, 0]
     uniform = random_experts(4, 256, 256, K=4, codebook="mcg")
@@ -191,7 +196,7 @@ def test_decode_variants_follow_block_rows_and_format_count():
 def test_direct_route_limit_depends_on_slots_and_formats():
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import direct_route, format_count
+    from exl3moe.ops.moe_planning import direct_route, format_count
 
     uniform = random_experts(4, 256, 256, K=4, codebook="mcg")
     many = random_experts(4, 256, 256, K=[2, 3, 4, 4], codebook=["mcg", "mcg", "mcg", "mul1"])
@@ -284,7 +289,9 @@ def test_one_row_calls_that_fit_one_wave_at_seven_blocks_per_sm_get_registers_fo
 def test_packed_calls_past_small_ones_launch_a_route_blocks_splits_together(monkeypatch):
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import _grid, kernel_source, moe_mma_layout, split_inner_grid
+    from exl3moe.kernels.moe_mma import _grid
+    from exl3moe.kernels.moe_mma_source import kernel_source
+    from exl3moe.ops.moe_planning import moe_mma_layout, split_inner_grid
 
     layer = random_experts(8, 256, 256, K=4, codebook="mcg")
     packed = moe_mma_layout(layer, max_slots=64, block_m=16)
@@ -302,7 +309,10 @@ def test_packed_calls_past_small_ones_launch_a_route_blocks_splits_together(monk
 
 
 def test_stage_plans_on_mma_sync_run_their_stages_in_blocks_of_their_own(monkeypatch):
-    from exl3moe.kernels.moe_mma import MoeMmaPlan, _grid, kernel_source, partial_splits, stage_blocks
+    from exl3moe.kernels.moe_mma import _grid
+    from exl3moe.kernels.moe_mma_config import MoeMmaPlan, partial_splits
+    from exl3moe.kernels.moe_mma_source import kernel_source
+    from exl3moe.ops.moe_planning import stage_blocks
 
     staged = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((4, 1),), 2, 64, 3, 16, False)
     assert stage_blocks(staged)
@@ -320,7 +330,8 @@ def test_stage_plans_on_mma_sync_run_their_stages_in_blocks_of_their_own(monkeyp
 
 
 def test_direct_stage_plans_read_the_first_stage_scale_ahead(monkeypatch):
-    from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, scale_ahead
+    from exl3moe.kernels.moe_mma_config import MoeMmaPlan
+    from exl3moe.kernels.moe_mma_source import kernel_source, scale_ahead
 
     direct = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((4, 1),), 8, 16, 6, 8, False, True)
     assert scale_ahead(direct) and ("SCALE_AHEAD", 1) in kernel_source(direct, "moe_gate_up_mma")[0]
@@ -331,7 +342,8 @@ def test_direct_stage_plans_read_the_first_stage_scale_ahead(monkeypatch):
 
 
 def test_direct_stage_plans_ask_l2_for_the_stage_words_ahead(monkeypatch):
-    from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, stage_words_ahead
+    from exl3moe.kernels.moe_mma_config import MoeMmaPlan
+    from exl3moe.kernels.moe_mma_source import kernel_source, stage_words_ahead
 
     direct = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((4, 1),), 8, 16, 6, 8, False, True)
     for name in ("moe_gate_up_mma", "moe_down_mma"):
