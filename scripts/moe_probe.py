@@ -10,7 +10,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 from moe import SHAPES, random_layer, routings, stage_layers  # noqa: E402
 
-from exl3moe.kernels import moe_mma  # noqa: E402
+from exl3moe.ops import moe_planning  # noqa: E402
 from exl3moe.kernels.moe_experts import moe_gate_up  # noqa: E402
 from exl3moe.kernels.route_pack import route_pack_max_blocks  # noqa: E402
 from exl3moe.ops.moe import moe_plan  # noqa: E402
@@ -43,9 +43,9 @@ def main(args):
         if args.stage:   # a Qwen3 K4 stage layer of bench/moe.py instead
             layer = stage_layers(args.codebook, gen)[args.stage]
     if args.target_warps:
-        moe_mma.TARGET_WARPS = args.target_warps
+        moe_planning.TARGET_WARPS = args.target_warps
     if args.direct_max_slots is not None:
-        moe_mma.DIRECT_MAX_SLOTS = args.direct_max_slots
+        moe_planning.DIRECT_MAX_SLOTS = args.direct_max_slots
     for T in ([3] if args.dry_run else args.tokens):
         plan = moe_plan(layer, T, top_k, block_m=args.block_m, slot_capacity=args.slot_capacity)
         runner = plan.bind(plan.allocate())
@@ -87,8 +87,9 @@ if __name__ == "__main__":
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 16, 64, 256, 1024])
     ap.add_argument("--block-m", type=int, default=None, help="route-block rows (default: the plan's choice)")
     ap.add_argument("--slot-capacity", type=int, default=None, help="workspace slots per chunk (moe_plan's)")
-    ap.add_argument("--target-warps", type=int, default=None, help="CUDA experts' split target (moe_mma.TARGET_WARPS)")
-    ap.add_argument("--direct-max-slots", type=int, default=None, help="moe_mma.DIRECT_MAX_SLOTS (0: always pack)")
+    ap.add_argument("--target-warps", type=int, default=None,
+                    help="CUDA experts' split target (moe_planning.TARGET_WARPS)")
+    ap.add_argument("--direct-max-slots", type=int, default=None, help="moe_planning.DIRECT_MAX_SLOTS (0: always pack)")
     ap.add_argument("--stage", default=None, help="a Qwen3 K4 stage layer (bench/moe.py stage_layers): zero-stage...")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--once", action="store_true", help="run the layer once, time nothing (WS_TRACE builds)")

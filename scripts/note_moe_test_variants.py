@@ -53,14 +53,15 @@ moe_plan(q, 1024, 8, shared=experts(1, 2048, 1024, [4], ["mcg"]), slot_capacity=
 for T, block_m in ((300, 32), (200, 16), (600, 64), (1024, 128)):   # determinism at every block size
     moe_plan(q, T, 8, block_m=block_m)
 moe_plan(q, 16, 8, stage_capacity=2, max_stage_bits=3, stage_codebooks=["mcg", "mul1"])   # stage hot swap
-from exl3moe.kernels import moe_mma
-limits = moe_mma.DIRECT_MAX_SLOTS, moe_mma.DIRECT_MAX_SLOTS_MIXED
-moe_mma.DIRECT_MAX_SLOTS = moe_mma.DIRECT_MAX_SLOTS_MIXED = 64   # direct small calls, raised to 64 slots
+from exl3moe.kernels.moe_mma_config import WIDE_BLOCK_M
+from exl3moe.ops import moe_planning
+limits = moe_planning.DIRECT_MAX_SLOTS, moe_planning.DIRECT_MAX_SLOTS_MIXED
+moe_planning.DIRECT_MAX_SLOTS = moe_planning.DIRECT_MAX_SLOTS_MIXED = 64   # direct small calls, raised to 64 slots
 moe_plan(q, 8, 8, shared=experts(1, 2048, 768, [4], ["mcg"]))
-moe_mma.DIRECT_MAX_SLOTS, moe_mma.DIRECT_MAX_SLOTS_MIXED = limits
+moe_planning.DIRECT_MAX_SLOTS, moe_planning.DIRECT_MAX_SLOTS_MIXED = limits
 moe_plan(q, 300, 8, block_m=128)   # pre-rotated inputs
 quarter = ResidualStage(res(q.gate, 2, "mcg"), res(q.up, 2, "mcg"), res(q.down, 2, "mcg"), torch.zeros(128, 3))
-moe_mma.uses_ws = lambda block_m, device: block_m == 128 and os.environ.get("EXL3MOE_MOE_WS", "1") != "0"
+moe_planning.uses_ws = lambda block_m, device: block_m == 128 and os.environ.get("EXL3MOE_MOE_WS", "1") != "0"
 for ws in ("0", "1"):   # warp-specialized experts against mma.sync
     os.environ["EXL3MOE_MOE_WS"] = ws
     moe_plan(ExpertSet(q.gate, q.up, q.down, "silu", stages=[quarter]), 300, 8, block_m=128)
@@ -81,25 +82,25 @@ for env, values in (("EXL3MOE_MOE_WS_STAGE_KT", ("4", "8")), ("EXL3MOE_MOE_X_TMA
 print("noted")
 sb = [ResidualStage(res(u.gate, 2, "mcg"), res(u.up, 2, "mcg"), res(u.down, 2, "mcg"), torch.zeros(16, 3)),
       ResidualStage(None, None, res(u.down, 1, "mcg"), torch.zeros(16, 3))]
-rule = moe_mma.stage_blocks
+rule = moe_planning.stage_blocks
 for setting in ("1", "0"):   # stages in blocks of their own (the rule widened below 16 rows) against one accumulator
     os.environ["EXL3MOE_MOE_STAGE_BLOCKS"] = setting
     for T, block_m in ((12, 16), (30, 16), (2, None), (6, None), (40, 32)):
-        moe_mma.stage_blocks = rule if block_m == 16 else (lambda plan: bool(plan.stage_formats) and not plan.ws
+        moe_planning.stage_blocks = rule if block_m == 16 else (lambda plan: bool(plan.stage_formats) and not plan.ws
                                                             and os.environ.get("EXL3MOE_MOE_STAGE_BLOCKS") != "0")
         moe_plan(ExpertSet(u.gate, u.up, u.down, "silu", stages=sb), T, 4, block_m=block_m, out_dtype=torch.float16)
-moe_mma.stage_blocks = rule
+moe_planning.stage_blocks = rule
 os.environ.pop("EXL3MOE_MOE_STAGE_BLOCKS")
 for T, block_m in ((1, 16), (9, 32), (40, 64)):   # the gelu / clamp / bias stage layer below 128 rows
     moe_plan(ExpertSet(b.gate, b.up, b.down, "gelu", limit=6.0, stages=stages), T, 4, block_m=block_m,
              out_dtype=torch.float16)
-moe_mma.uses_ws = lambda block_m, device: block_m in (128, moe_mma.WIDE_BLOCK_M)
+moe_planning.uses_ws = lambda block_m, device: block_m in (128, WIDE_BLOCK_M)
 os.environ["EXL3MOE_MOE_SPLIT_ROUTE"] = "0"
 for tma in ("0", "1"):   # 192-row route blocks against 128-row ones, x by cp.async and by TMA
     os.environ["EXL3MOE_MOE_X_TMA"] = tma
     for base, T in ((q, 2304), (odd, 300)):
         E = len(base.down)
-        moe_mma.TARGET_WARPS = 1 if base is odd else 4096   # the 16-expert layer's down in one split
+        moe_planning.TARGET_WARPS = 1 if base is odd else 4096   # the 16-expert layer's down in one split
         st = ResidualStage(res(base.gate, 2, "mcg"), res(base.up, 2, "mcg"), res(base.down, 2, "mcg"),
                            torch.zeros(E, 3))
         for wide in ("0", "1"):
@@ -110,7 +111,7 @@ for tma in ("0", "1"):   # split route blocks against 128-row ones, x by cp.asyn
     os.environ["EXL3MOE_MOE_X_TMA"] = tma
     for base, T in ((q, 2048), (q, 4096), (odd, 300)):
         E = len(base.down)
-        moe_mma.TARGET_WARPS = 1 if base is odd else 4096
+        moe_planning.TARGET_WARPS = 1 if base is odd else 4096
         st = ResidualStage(res(base.gate, 2, "mcg"), res(base.up, 2, "mcg"), res(base.down, 2, "mcg"),
                            torch.zeros(E, 3))
         for split in ("0", "1"):
@@ -119,7 +120,7 @@ for tma in ("0", "1"):   # split route blocks against 128-row ones, x by cp.asyn
 os.environ.pop("EXL3MOE_MOE_X_TMA")
 os.environ.pop("EXL3MOE_MOE_WS_192")
 os.environ.pop("EXL3MOE_MOE_SPLIT_ROUTE")
-moe_mma.TARGET_WARPS = 4096
+moe_planning.TARGET_WARPS = 4096
 moe_plan(q, 4096, 8, out_dtype=torch.float16)   # split route blocks under replay
 sys.path.insert(0, "tests")
 from test_moe_coverage import INTEGER_WIDTHS, INTEGER_WIDTH_CODEBOOKS, projection_experts

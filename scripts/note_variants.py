@@ -11,7 +11,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 from moe import LAYERS, SHAPES, TOKENS  # noqa: E402
 
 from exl3moe import EXL3Weight, ExpertSet, ResidualStage  # noqa: E402
-from exl3moe.kernels import moe_mma, nvrtc, trellis_mma  # noqa: E402
+from exl3moe.kernels import nvrtc  # noqa: E402
+from exl3moe.kernels.moe_mma_config import WIDE_BLOCK_M  # noqa: E402
+from exl3moe.ops import linear_planning, moe_planning  # noqa: E402
 from exl3moe.ops import linear as linear_ops  # noqa: E402
 from exl3moe.ops.linear import LinearPlan  # noqa: E402
 from exl3moe.ops.moe import moe_plan  # noqa: E402
@@ -35,11 +37,11 @@ def pretend_sm90() -> None:
     nvrtc.kernel = kernel
     nvrtc.allow_non_portable_clusters = lambda func: None
     nvrtc.local_bytes = lambda func: 1   # note both variants of a launch bound that may spill
-    trellis_mma.clusters_on = lambda device: True
-    trellis_mma.chain_capable = lambda device: True
+    linear_planning.clusters_on = lambda device: True
+    linear_planning.chain_capable = lambda device: True
     linear_ops.uses_ws = lambda rows, k, n, device: rows >= (32 if k * n < (1 << 24) else 64)
-    moe_mma.uses_ws = lambda block_m, device: block_m in (128, moe_mma.WIDE_BLOCK_M)
-    moe_mma.early_launch = lambda device: os.environ.get("EXL3MOE_MOE_EARLY_DOWN", "1") != "0"
+    moe_planning.uses_ws = lambda block_m, device: block_m in (128, WIDE_BLOCK_M)
+    moe_planning.early_launch = lambda device: os.environ.get("EXL3MOE_MOE_EARLY_DOWN", "1") != "0"
     nvrtc.sm_count = lambda device: 132
 
 

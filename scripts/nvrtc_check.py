@@ -8,7 +8,8 @@ import tempfile
 
 import triton
 
-from exl3moe.kernels import moe_mma, nvrtc
+from exl3moe.kernels import moe_mma_config, moe_mma_source, nvrtc
+from exl3moe.ops import moe_planning
 
 CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -32,11 +33,12 @@ def moe_variants(quick: bool):
     for bm, stages, direct in itertools.product((16, 32, 64, 128), (0, 4), (False, True)):
         if (direct and bm != 16) or (quick and stages):
             continue
-        plan = moe_mma.MoeMmaPlan(bm, moe_mma.warps_for(bm), ((8, 1), (6, 2)), ((8, 1),),
-                                  moe_mma.formats_up_to(stages), 1, 8, 1, 8, moe_mma.pre_rotates(bm), direct)
+        plan = moe_mma_config.MoeMmaPlan(bm, moe_mma_config.warps_for(bm), ((8, 1), (6, 2)), ((8, 1),),
+                                         moe_planning.formats_up_to(stages), 1, 8, 1, 8, moe_planning.pre_rotates(bm),
+                                         direct)
         names = ["moe_gate_up_mma", "moe_down_mma"] + (["moe_rotate_input"] if plan.pre_rotate else [])
         for name in names:
-            defines, prelude = moe_mma.kernel_source(plan, name)
+            defines, prelude = moe_mma_source.kernel_source(plan, name)
             usage(name, dict(defines), prelude + nvrtc.source("moe_mma.cu"))
 
 

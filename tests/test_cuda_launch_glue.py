@@ -7,7 +7,8 @@ import re
 import pytest
 import torch
 
-from exl3moe.kernels import moe_mma, nvrtc
+from exl3moe.kernels import moe_mma, moe_mma_config, moe_mma_source, nvrtc
+from exl3moe.ops import moe_planning
 from exl3moe.ops.moe import moe_plan
 from helpers import random_experts, random_stage, random_weight
 
@@ -104,13 +105,13 @@ def test_moe_launches_match_the_kernel_signatures(launches, T, block_m):
     assert plan.mma.split_inner == (not plan.mma.direct)
     # A packed 16-row plan runs the stage's passes in blocks of their own: z doubles (its route blocks).
     assert plan.mma.stage_blocks == (block_m == 16)
-    assert plan.mma.stage_blocks == (("STAGE_BLOCKS", 1) in moe_mma.kernel_source(plan.mma, "moe_down_mma")[0])
+    assert plan.mma.stage_blocks == (("STAGE_BLOCKS", 1) in moe_mma_source.kernel_source(plan.mma, "moe_down_mma")[0])
     passes = (2 if plan.mma.stage_blocks else 1, 1)
     assert (routed[1][0], routed[1][rows]) == (2 * 384 // 128, passes[0] * (runner._ws["block_expert"].numel()
                                                                            if not plan.mma.direct else ids.numel()))
     assert routed[1][3 - rows] == passes[1] * plan.mma.gate_up_splits
     assert down[1][3 - rows] == passes[1] * plan.mma.down_splits
-    parts = moe_mma.workspace_numels(plan.mma, plan.slot_capacity, 1, 256, 384)
+    parts = moe_mma_config.workspace_numels(plan.mma, plan.slot_capacity, 1, 256, 384)
     assert parts["gate_up_partial"] == passes[0] * plan.mma.gate_up_splits * 2 * plan.slot_capacity * 384
     assert down[1][0] == 256 // 128, "grid rows are route blocks, their column blocks along x"
     if plan.mma.direct:
@@ -126,7 +127,7 @@ def test_one_row_gate_up_of_many_mainloops_is_bounded_only_when_a_call_fits_one_
     on the GPU at that many per SM; a uniform layer's (of a format outside ONE_WAVE_BOUND_FORMATS), or a call of more
     blocks, keeps ptxas's own registers. Down reads its combine's inputs ahead with registers for 8 blocks per SM (one
     format) or 7 (more)."""
-    from exl3moe.kernels.moe_mma import DIRECT_GATE_UP_MIN_BLOCKS, kernel_source
+    from exl3moe.kernels.moe_mma_source import DIRECT_GATE_UP_MIN_BLOCKS, kernel_source
 
     g = torch.Generator().manual_seed(4)
     mixed = random_experts(8, 256, 256, K=[3, 4] * 4, codebook="mcg", generator=g)
@@ -173,11 +174,11 @@ def run_ws_chunk(plan, launches, num_experts, g):
 def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, persistent_gate_up):
     """128-row plans on sm_90: gate/up on trellis_ws.cuh; single-split plans take the persistent down (and gate/up,
     when opted in) over one block per SM, with the shared memory their kernels need."""
-    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
+    monkeypatch.setattr(moe_planning, "uses_ws", lambda block_m, device: block_m == 128)
     monkeypatch.setattr(nvrtc, "sm_count", lambda device: 5)
     monkeypatch.setenv("EXL3MOE_MOE_WS_GATE_UP", persistent_gate_up)
     if single_split:
-        monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+        monkeypatch.setattr(moe_planning, "TARGET_WARPS", 1)
     shared_bytes = []
     monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
         launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
@@ -210,9 +211,9 @@ def test_moe_warp_specialized_launches(launches, monkeypatch, single_split, pers
         name = func[1]
         if name in ("moe_gate_up_ws", "moe_down_ws"):
             assert grid == (5, 1, 1) and block == threads, name
-            assert shared == moe_mma.ws_shared_bytes(mma, name) <= 227 * 1024, name
+            assert shared == moe_mma_config.ws_shared_bytes(mma, name) <= 227 * 1024, name
         elif name == "moe_gate_up_mma":
-            assert (block, shared) == (threads, moe_mma.ws_shared_bytes(mma, name))
+            assert (block, shared) == (threads, moe_mma_config.ws_shared_bytes(mma, name))
         else:
             assert (block, shared) == (mma.warps * 32, 0), name
 
@@ -224,17 +225,17 @@ def test_wide_route_blocks_at_128_to_176_rows_per_expert(launches, monkeypatch):
     caller may ask for 192 rows anywhere they can run, and is refused where they cannot."""
     from exl3moe.errors import ContractError
 
-    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m in (128, 192))
+    monkeypatch.setattr(moe_planning, "uses_ws", lambda block_m, device: block_m in (128, 192))
     monkeypatch.setattr(nvrtc, "sm_count", lambda device: 5)
-    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+    monkeypatch.setattr(moe_planning, "TARGET_WARPS", 1)
     shared_bytes = []
     monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
         launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
     monkeypatch.setenv("EXL3MOE_MOE_SPLIT_ROUTE", "0")   # else split_route_blocks takes these calls
     g = torch.Generator().manual_seed(6)
     experts = random_experts(4, 256, 384, K=[4, 3, 4, 3], codebook="mcg", generator=g)
-    assert not moe_mma.wide_route_blocks(experts, 511, 511) and moe_mma.wide_route_blocks(experts, 512, 512)
-    assert moe_mma.wide_route_blocks(experts, 704, 704) and not moe_mma.wide_route_blocks(experts, 705, 705)
+    assert not moe_planning.wide_route_blocks(experts, 511, 511) and moe_planning.wide_route_blocks(experts, 512, 512)
+    assert moe_planning.wide_route_blocks(experts, 704, 704) and not moe_planning.wide_route_blocks(experts, 705, 705)
     assert moe_plan(experts, 255, 2).block_m == 128
     monkeypatch.setenv("EXL3MOE_MOE_WS_192", "0")
     assert moe_plan(experts, 300, 2).block_m == 128
@@ -242,25 +243,25 @@ def test_wide_route_blocks_at_128_to_176_rows_per_expert(launches, monkeypatch):
     plan = moe_plan(experts, 300, 2)
     mma = plan.mma
     assert plan.block_m == mma.block_m == 192 and mma.ws and mma.ws_down and mma.ws_paired and not mma.ws_gate_up
-    down = dict(moe_mma.kernel_source(mma, "moe_down_ws")[0])
+    down = dict(moe_mma_source.kernel_source(mma, "moe_down_ws")[0])
     assert [down[k] for k in ("WS_BLOCK_ROWS", "WS_PRODUCERS", "ROUTE_ROWS", "WARPS")] == [192, 8, 192, 20]
-    rotate = dict(moe_mma.kernel_source(mma, "moe_rotate_input")[0])
+    rotate = dict(moe_mma_source.kernel_source(mma, "moe_rotate_input")[0])
     assert (rotate["MT"], rotate["ROUTE_ROWS"]) == (8, 192), "the rotation keeps its m16 tiles"
     run_ws_chunk(plan, launches, 4, g)
     for (func, grid, block, args, _), shared in zip(launches, shared_bytes):
         if func[1] == "moe_rotate_input":
             assert grid[2] == 192 // moe_mma.ROTATE_ROWS and block == mma.warps * 32
         else:
-            assert block == 640 and shared == moe_mma.ws_shared_bytes(mma, func[1]) <= 227 * 1024, func[1]
+            assert block == 640 and shared == moe_mma_config.ws_shared_bytes(mma, func[1]) <= 227 * 1024, func[1]
             assert args[-1][-1] == 192, "TMA boxes of the block's rows"
     assert moe_plan(experts, 353, 2).block_m == 128
     assert moe_plan(experts, 70, 2, block_m=192).block_m == 192, "asked for, outside the window too"
-    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1 << 20)
+    monkeypatch.setattr(moe_planning, "TARGET_WARPS", 1 << 20)
     assert moe_plan(experts, 300, 2).block_m == 128, "a split down keeps 128-row blocks"
     with pytest.raises(ContractError, match="block_m.*192 needs"):
         moe_plan(experts, 300, 2, block_m=192)
-    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
-    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+    monkeypatch.setattr(moe_planning, "uses_ws", lambda block_m, device: block_m == 128)
+    monkeypatch.setattr(moe_planning, "TARGET_WARPS", 1)
     with pytest.raises(ContractError, match="block_m.*192 needs"):
         moe_plan(experts, 300, 2, block_m=192)
 
@@ -275,23 +276,23 @@ def test_split_route_blocks_from_128_rows_per_expert(launches, monkeypatch):
     from exl3moe.kernels.route_pack import route_pack_max_blocks
     from exl3moe.kernels.route_split import route_split_max_blocks
 
-    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m in (128, 192))
+    monkeypatch.setattr(moe_planning, "uses_ws", lambda block_m, device: block_m in (128, 192))
     monkeypatch.setattr(nvrtc, "sm_count", lambda device: 5)
-    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
-    monkeypatch.setattr(moe_mma, "split_chain", lambda device: True)
+    monkeypatch.setattr(moe_planning, "TARGET_WARPS", 1)
+    monkeypatch.setattr(moe_planning, "split_chain", lambda device: True)
     shared_bytes = []
     monkeypatch.setattr(nvrtc, "launch", lambda func, grid, block, args, shared=0, early=False: (
         launches.append((func, grid, block, args, early)), shared_bytes.append(shared)))
     g = torch.Generator().manual_seed(7)
     experts = random_experts(4, 256, 384, K=[4, 3, 4, 3], codebook="mcg", generator=g)
-    assert not moe_mma.split_route_blocks(experts, 511, 600) and moe_mma.split_route_blocks(experts, 512, 600)
+    assert not moe_planning.split_route_blocks(experts, 511, 600) and moe_planning.split_route_blocks(experts, 512, 600)
     assert moe_plan(experts, 223, 2).wide_mma is None
     plan = moe_plan(experts, 300, 2)
     assert plan.block_m == plan.mma.block_m == 128 and plan.wide_mma.block_m == 192
     assert plan.mma.ws_down and plan.wide_mma.ws_down and plan.expert_order is not None
     for mma, chained in ((plan.mma, False), (plan.wide_mma, True)):
         for name in ("moe_gate_up_mma", "moe_down_ws"):
-            defines = dict(moe_mma.kernel_source(mma, name)[0])
+            defines = dict(moe_mma_source.kernel_source(mma, name)[0])
             assert defines["EARLY_LAUNCH"] == 1 and ("CHAIN_ON_EXIT" in defines) == chained, (mma.block_m, name)
     runner = plan.bind(plan.allocate())
     x, out = torch.randn(300, 256).half(), torch.empty(300, 256).half()
@@ -314,7 +315,7 @@ def test_split_route_blocks_from_128_rows_per_expert(launches, monkeypatch):
             continue
         table, rows, block_rows = tables[kind_]
         mma = plan.wide_mma if kind_ == "wide" else plan.mma
-        assert block == 640 and shared == moe_mma.ws_shared_bytes(mma, func[1]), func[1]
+        assert block == 640 and shared == moe_mma_config.ws_shared_bytes(mma, func[1]), func[1]
         assert args[-1][-1] == block_rows, "TMA boxes of the block's rows"
         expert_arg = args[3] if func[1] == "moe_gate_up_mma" else args[2]
         assert expert_arg.data_ptr() == table.data_ptr() and expert_arg.numel() == rows, (kind_, func[1])
@@ -330,8 +331,8 @@ def test_split_route_blocks_from_128_rows_per_expert(launches, monkeypatch):
 def test_moe_down_svh_off_four_byte_alignment_keeps_the_split_down(launches, monkeypatch):
     """moe_down_ws reads svh two fp16 at a time: a down svh that starts 2 bytes off a 4-byte boundary (a view into a
     larger tensor) keeps the plan on moe_down_mma, whose reads need no alignment."""
-    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
-    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+    monkeypatch.setattr(moe_planning, "uses_ws", lambda block_m, device: block_m == 128)
+    monkeypatch.setattr(moe_planning, "TARGET_WARPS", 1)
     g = torch.Generator().manual_seed(5)
     experts = random_experts(4, 256, 384, K=4, codebook="mcg", generator=g)
     assert moe_plan(experts, 70, 2, block_m=128).mma.ws_down
@@ -350,7 +351,7 @@ def test_moe_down_svh_off_four_byte_alignment_keeps_the_split_down(launches, mon
 def test_moe_ring_settings_outside_their_range_are_refused(launches, monkeypatch, env):
     from exl3moe.errors import ContractError
 
-    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
+    monkeypatch.setattr(moe_planning, "uses_ws", lambda block_m, device: block_m == 128)
     for key, value in env.items():
         monkeypatch.setenv(f"EXL3MOE_MOE_WS_{key}", value)
     experts = random_experts(8, 256, 384, K=4, codebook="mcg", generator=torch.Generator().manual_seed(5))
@@ -367,11 +368,11 @@ def test_ring_too_shallow_for_the_producer_turns_is_refused(launches, monkeypatc
     parity would let it overwrite a slot still in use. GLM's ranges (32 and 11 stages) need 5, Qwen3's (16, 6) 4."""
     from exl3moe.errors import ContractError
 
-    assert [moe_mma.ring_turn_step(n, 3) for n in (32, 11, 16, 6, 1)] == [5, 5, 4, 3, 1]
-    assert [moe_mma.ring_turn_step(n, 2) for n in (32, 11, 1)] == [2, 3, 1]
+    assert [moe_planning.ring_turn_step(n, 3) for n in (32, 11, 16, 6, 1)] == [5, 5, 4, 3, 1]
+    assert [moe_planning.ring_turn_step(n, 2) for n in (32, 11, 1)] == [2, 3, 1]
     monkeypatch.setenv("EXL3MOE_MOE_WS_STAGE_KT", "8")
     monkeypatch.setenv("EXL3MOE_MOE_WS_STAGES", str(stages))
-    monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)   # one split: ranges of the whole hidden / intermediate size
+    monkeypatch.setattr(moe_planning, "TARGET_WARPS", 1)   # one split: ranges of the whole hidden / intermediate size
     experts = random_experts(2, hidden, inter, K=2, codebook="mcg", generator=torch.Generator().manual_seed(7))
     if refused:
         with pytest.raises(ContractError, match="EXL3MOE_MOE_WS_STAGES.*need at least"):
@@ -389,12 +390,13 @@ def test_moe_ring_stages_follow_the_settings(monkeypatch, env, ring):
     """Stages of a whole x chunk, 40 k-tiles of them, 24 beside the persistent gate/up; the settings override."""
     for key, value in env.items():
         monkeypatch.setenv(f"EXL3MOE_MOE_WS_{key}", value)
-    assert moe_mma.ws_ring() == ring
+    assert moe_planning.ws_ring() == ring
 
 
 def test_linear_launches_match_the_kernel_signatures(launches):
-    from exl3moe.kernels.trellis_mma import (DENSE_KTILES, decode_dense, dense_epilogue, plan_mma, rotate_input,
-                                             trellis_mma)
+    from exl3moe.kernels.trellis_dense import DENSE_KTILES, decode_dense, dense_epilogue
+    from exl3moe.ops.linear_cuda import rotate_input, trellis_mma
+    from exl3moe.ops.linear_planning import plan_mma
 
     w = random_weight(256, 384, 3, "mul1", bias=True)
     tiles = plan_mma(256, 384)
@@ -417,17 +419,18 @@ def test_linear_launches_match_the_kernel_signatures(launches):
 @pytest.mark.parametrize("splits", [2, 11])
 def test_cluster_launch_groups_whole_splits_and_allows_non_portable_sizes(launches, monkeypatch, splits):
     from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     defines, allowed = [], []
-    monkeypatch.setattr(tm, "clusters_on", lambda device: True)
+    monkeypatch.setattr(lp, "clusters_on", lambda device: True)
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, d, index, prelude="", arch_suffix="": (
         defines.append(dict(d)) or (file, name, prelude)))
     monkeypatch.setattr(nvrtc, "allow_non_portable_clusters", allowed.append)
     k, n = 128 * splits, 384
     w = random_weight(k, n, 2, "mcg")
-    tiles = tm.plan_mma(k, n)
+    tiles = lp.plan_mma(k, n)
     assert tiles.splits == splits
-    tm.trellis_mma(torch.randn(1, k).half(), w, torch.empty(splits, 1, n), torch.zeros(64, dtype=torch.int32),
+    lc.trellis_mma(torch.randn(1, k).half(), w, torch.empty(splits, 1, n), torch.zeros(64, dtype=torch.int32),
                    torch.empty(1, n).half(), tiles)
     check(launches)
     assert defines[-1]["CLUSTER_SPLITS"] == splits and launches[-1][1] == (n // 128, splits, 1)
@@ -438,7 +441,7 @@ def test_cluster_launch_groups_whole_splits_and_allows_non_portable_sizes(launch
 @pytest.mark.parametrize("spb_env, expected_spb", [("", 1), ("3", 3)])
 def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, spb_env, expected_spb, x_tma):
     """The linear's trellis_ws launch, with x by TMA (a tensor map over the call's rows, X_TMA) or by cp.async."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     monkeypatch.setenv("EXL3MOE_WS_SPB", spb_env)
     monkeypatch.setenv("EXL3MOE_WS_X_TMA", x_tma)
@@ -449,9 +452,9 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="": (
         file, name, dict(defines).get("X_TMA", 0), dict(defines).get("DEFER_REDUCE", 0)))
     w = random_weight(4096, 14336 // 8, 4, "mcg")  # 14 column blocks: 9 split groups fit in one wave
-    tiles = tm.MmaTiles(8, 32)
+    tiles = lp.MmaTiles(8, 32)
     x = torch.randn(100, 4096).half()
-    tm._launch_ws(x, w, torch.empty(8, 100, 1792), torch.zeros(64, dtype=torch.int32), torch.empty(100, 1792).half(),
+    lc._launch_ws(x, w, torch.empty(8, 100, 1792), torch.zeros(64, dtype=torch.int32), torch.empty(100, 1792).half(),
                   tiles)
     check(launches)
     (func, grid, block, args, early), reduce = launches
@@ -473,18 +476,18 @@ def test_warp_specialized_launch_matches_its_signature(launches, monkeypatch, sp
 def test_warp_specialized_linear_launches_early_after_its_rotation(launches, monkeypatch, env, expected):
     """trellis_ws right after rotate_input is its programmatic dependent (EXL3MOE_LINEAR_EARLY=0: not), and only
     there: a call handed a rotated x by anyone else launches after the stream's last kernel."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     if env:
         monkeypatch.setenv("EXL3MOE_LINEAR_EARLY", env)
-    assert tm.ws_launches_early(torch.device("cuda")) == expected
-    assert not tm.ws_launches_early(torch.device("cpu"))
-    monkeypatch.setattr(tm, "ws_launches_early", lambda device: os.environ.get("EXL3MOE_LINEAR_EARLY") != "0")
+    assert lp.ws_launches_early(torch.device("cuda")) == expected
+    assert not lp.ws_launches_early(torch.device("cpu"))
+    monkeypatch.setattr(lp, "ws_launches_early", lambda device: os.environ.get("EXL3MOE_LINEAR_EARLY") != "0")
     w = random_weight(4096, 1792, 4, "mcg")
-    tiles = tm.plan_mma(4096, 1792)
+    tiles = lp.plan_mma(4096, 1792)
     x = torch.randn(100, 4096).half()
     for after_rotate in (True, False):
-        tm._launch_ws(x, w, torch.empty(tiles.splits, 100, 1792), torch.zeros(64, dtype=torch.int32),
+        lc._launch_ws(x, w, torch.empty(tiles.splits, 100, 1792), torch.zeros(64, dtype=torch.int32),
                       torch.empty(100, 1792).half(), tiles, after_rotate)
     check(launches)
     ws = [early for (_, name, *_), _, _, _, early in launches if name == "trellis_ws"]
@@ -498,21 +501,21 @@ def test_linear_calls_launch_after_the_previous_kernel(launches, monkeypatch, en
     their L2 prefetch depth: 8 k-tiles on grids of at most one block per SM, none above; grids of more than one and at
     most 6 blocks per SM that rotate x themselves let their dependents launch only as their blocks exit (CHAIN_LATE).
     A 20-row call's split reduction follows its matmul the same way (EXL3MOE_LINEAR_CHAIN=0: nothing chains)."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     if env:
         monkeypatch.setenv("EXL3MOE_LINEAR_CHAIN", env)
-    assert not tm.chain_capable(torch.device("cpu"))
-    monkeypatch.setattr(tm, "chain_capable", lambda device: True)
+    assert not lp.chain_capable(torch.device("cpu"))
+    monkeypatch.setattr(lp, "chain_capable", lambda device: True)
     monkeypatch.setattr(nvrtc, "sm_count", lambda device: 32)
     compiled = []
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="":
                         compiled.append((name, dict(defines))) or (file, name, prelude))
     small, mid, large = (random_weight(k, n, 2, "mcg") for k, n in ((256, 384), (1024, 1024), (2048, 2048)))
     for w, rows in ((small, 1), (small, 20), (mid, 1), (large, 1)):
-        tiles = tm.plan_mma(w.in_features, w.out_features)
+        tiles = lp.plan_mma(w.in_features, w.out_features)
         x = torch.randn(rows, w.in_features).half()
-        tm.trellis_mma(x, w, torch.empty(tiles.splits, rows, w.out_features), torch.zeros(64, dtype=torch.int32),
+        lc.trellis_mma(x, w, torch.empty(tiles.splits, rows, w.out_features), torch.zeros(64, dtype=torch.int32),
                        torch.empty(rows, w.out_features).half(), tiles)
     check(launches)
     mma = [(grid[0] * grid[1], early) for (_, name, *_), grid, _, _, early in launches if name == "trellis_mma"]
@@ -532,12 +535,12 @@ def test_rotated_calls_chain_their_launches(launches, monkeypatch, env):
     dependents of the kernel before each (rotate_input and reduce_splits compiled with CHAIN); at 5..16 rows (one m16
     tile, a weight of 16M entries) rotate_input and trellis_mma let their dependents launch only as their blocks exit
     (CHAIN_LATE). EXL3MOE_LINEAR_CHAIN=0: nothing chains."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_planning as lp
     from exl3moe.ops import linear as linear_ops
 
     if env:
         monkeypatch.setenv("EXL3MOE_LINEAR_CHAIN", env)
-    monkeypatch.setattr(tm, "chain_capable", lambda device: True)
+    monkeypatch.setattr(lp, "chain_capable", lambda device: True)
     monkeypatch.setattr(linear_ops, "use_triton", lambda x: True)
     compiled = []
     monkeypatch.setattr(nvrtc, "kernel", lambda file, name, defines, index, prelude="", arch_suffix="":
@@ -579,6 +582,8 @@ def test_linear_paired_producers_launch(launches, monkeypatch, env):
     """Paired producers: 640 threads, WS_PRODUCERS 12 and a ring of 5 stages, where each block runs every split
     (4096 x 14336: 112 column blocks on 132 SMs) or where EXL3MOE_WS_PAIRED=1 asks; not on 14336 x 4096."""
     from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.kernels import trellis_ws as tws
+    from exl3moe.ops import linear_cuda as lc, linear_planning as lp
 
     if env:
         monkeypatch.setenv("EXL3MOE_WS_PAIRED", env)
@@ -591,16 +596,16 @@ def test_linear_paired_producers_launch(launches, monkeypatch, env):
     for k, n in ((4096, 14336), (14336, 4096)):
         w = random_weight(k, n, 4, "mcg")
         x = torch.randn(100, k).half()
-        tiles = tm.plan_mma(k, n)
-        tm._launch_ws(x, w, torch.empty(tiles.splits, 100, n), torch.zeros(tm.counter_count(n, 128), dtype=torch.int32),
+        tiles = lp.plan_mma(k, n)
+        lc._launch_ws(x, w, torch.empty(tiles.splits, 100, n), torch.zeros(tm.counter_count(n, 128), dtype=torch.int32),
                       torch.empty(100, n).half(), tiles)
     check(launches)
     for (k, n), (_, grid, block, _, _), d, shared in zip(((4096, 14336), (14336, 4096)), launches, defines,
                                                          shared_bytes):
         paired = env == "1" or n == 14336
         assert (block, d.get("WS_PRODUCERS"), d["STAGES"]) == ((640, 12, 5) if paired else (768, None, 3)), (k, n)
-        assert shared == tm.ws_shared_bytes(d.get("X_TMA", 0) == 1, paired) <= 227 * 1024
-        assert tm.ws_paired(k, n, tm.plan_mma(k, n).splits, 132) == paired
+        assert shared == tws.ws_shared_bytes(d.get("X_TMA", 0) == 1, paired) <= 227 * 1024
+        assert lp.ws_paired(k, n, lp.plan_mma(k, n).splits, 132) == paired
 
 
 @pytest.mark.parametrize("k, n, K, codebook, env, expected", [
@@ -612,7 +617,7 @@ def test_linear_paired_producers_launch(launches, monkeypatch, env):
 def test_linear_x_by_tma_where_it_measured_faster(monkeypatch, k, n, K, codebook, env, expected):
     """trellis_ws takes x by TMA for weights of 16M entries or more, in MUL1 and at K 1 / 2 / 4 / 8;
     EXL3MOE_WS_X_TMA forces either way."""
-    from exl3moe.kernels.trellis_mma import ws_x_tma
+    from exl3moe.ops.linear_planning import ws_x_tma
 
     if env is not None:
         monkeypatch.setenv("EXL3MOE_WS_X_TMA", env)
@@ -621,7 +626,7 @@ def test_linear_x_by_tma_where_it_measured_faster(monkeypatch, k, n, K, codebook
 
 
 def test_splits_per_block_keep_one_wave():
-    from exl3moe.kernels.trellis_mma import ws_splits_per_block
+    from exl3moe.ops.linear_planning import ws_splits_per_block
 
     assert ws_splits_per_block(8, 112, 132) == 8, "112 column blocks: one split group"
     assert ws_splits_per_block(28, 32, 132) == 7, "32 column blocks: 4 groups of 7 splits"
@@ -640,7 +645,8 @@ def test_moe_plans_of_more_route_blocks_than_grid_rows_take_the_triton_experts(l
 @pytest.mark.parametrize("slots, mixed, expected", [(8, True, (2, 2)), (32, True, (2, 2)), (33, True, (4, 4)),
                                                     (8, False, (4, 8)), (256, True, (4, 4))])
 def test_mixed_kernels_of_small_calls_compile_the_smallest_mainloops(slots, mixed, expected):
-    from exl3moe.kernels.moe_mma import kernel_source, moe_mma_layout
+    from exl3moe.kernels.moe_mma_source import kernel_source
+    from exl3moe.ops.moe_planning import moe_mma_layout
     experts = random_experts(8, 256, 384, K=[2, 3, 4, 5, 6, 7, 8, 4] if mixed else 4, codebook="mcg",
                              generator=torch.Generator().manual_seed(2))
     plan = moe_mma_layout(experts, slots, 16)
@@ -659,10 +665,10 @@ def test_down_launches_as_a_dependent_of_its_gate_up_on_sm90(launches, monkeypat
     """Routed and shared down go out as programmatic dependents of the gate/up just before them, both kernels built
     with EARLY_LAUNCH (gate/up lets them start, down waits before reading h_rot), and so does a gate/up right after
     the other expert set's down (EARLY_GATE_UP: its block 0 waits for that down before it leaves)."""
-    from exl3moe.kernels.moe_mma import kernel_source
+    from exl3moe.kernels.moe_mma_source import kernel_source
 
-    assert not moe_mma.early_launch(torch.device("cpu"))
-    monkeypatch.setattr(moe_mma, "early_launch", lambda device: True)
+    assert not moe_planning.early_launch(torch.device("cpu"))
+    monkeypatch.setattr(moe_planning, "early_launch", lambda device: True)
     g = torch.Generator().manual_seed(5)
     experts = random_experts(8, 256, 384, K=[4, 3] * 4, codebook="mcg", generator=g)
     shared = random_experts(1, 256, 256, K=3, codebook="mcg", generator=g, name="shared")
@@ -701,26 +707,26 @@ def test_packed_plans_of_many_slots_or_formats_pre_rotate(monkeypatch, block_m, 
     direct calls."""
     if env is not None:
         monkeypatch.setenv("EXL3MOE_MOE_PRE_ROTATE_PACKED", env)
-    assert moe_mma.pre_rotates(block_m, slots, direct, formats) == expected
+    assert moe_planning.pre_rotates(block_m, slots, direct, formats) == expected
 
 
 @pytest.mark.parametrize("env", [None, "0", "1"])
 def test_few_column_groups_leave_their_split_reduction_to_reduce_splits(monkeypatch, env):
     """trellis_ws blocks of split groups hand their reduction to reduce_splits; trellis_mma does from 2 m16 tiles where
     its column groups would occupy under half the SMs, never in a cluster; the variables force it off / on."""
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_planning as lp
 
     for name in ("EXL3MOE_WS_SPLIT_REDUCE", "EXL3MOE_MMA_SPLIT_REDUCE"):
         if env is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, env)
-    assert not tm.ws_defers_reduce(8, 14336, 132), "whole-split blocks keep their sum in shared memory"
-    assert tm.ws_defers_reduce(8, 1792, 132) == (env != "0")   # 14 column blocks: split groups
+    assert not lp.ws_defers_reduce(8, 14336, 132), "whole-split blocks keep their sum in shared memory"
+    assert lp.ws_defers_reduce(8, 1792, 132) == (env != "0")   # 14 column blocks: split groups
     planned = {(2, 0, 32): True, (8, 0, 65): True, (2, 0, 66): False, (1, 0, 11): False, (4, 6, 11): False}
     for (mt, cluster, groups), expected in planned.items():
         wanted = {None: expected, "0": False, "1": not cluster}[env]
-        assert tm.mma_defers_reduce(mt, cluster, groups, 132) == wanted, (mt, cluster, groups)
+        assert lp.mma_defers_reduce(mt, cluster, groups, 132) == wanted, (mt, cluster, groups)
 
 
 def test_stage_plans_keep_their_doubled_grid_rows_within_the_limit(launches):
@@ -763,6 +769,6 @@ def test_stage_plans_order_route_blocks_with_active_stages_first(launches, monke
     one_accumulator = moe_plan(staged, 20, 2, block_m=32)   # long blocks (base then stage) start first
     assert not one_accumulator.mma.stage_blocks and one_accumulator.expert_order.tolist()[:2] == [2, 5]
     assert moe_plan(staged, 1, 2).mma.direct and moe_plan(staged, 1, 2).expert_order is None, "no route pack"
-    monkeypatch.setattr(moe_mma, "uses_ws", lambda block_m, device: block_m == 128)
+    monkeypatch.setattr(moe_planning, "uses_ws", lambda block_m, device: block_m == 128)
     ws = moe_plan(staged, 200, 2, block_m=128)
     assert ws.mma.ws and ws.expert_order is None, "warp-specialized plans keep their order"

@@ -5,7 +5,7 @@ import torch
 
 from exl3moe import ContractError, EXL3Weight
 from exl3moe.format.weight import decode
-from exl3moe.kernels.trellis_mma import decode_dense
+from exl3moe.kernels.trellis_dense import decode_dense
 from exl3moe.ops.linear import LinearPlan, linear
 from exl3moe.ops.modules import EXL3Linear
 from helpers import capture_allocation_free
@@ -173,7 +173,7 @@ def test_cuda_dense_decode_is_bit_exact(K, codebook):
                                            (14336, 4096, "", torch.bfloat16)])
 @pytest.mark.parametrize("split_reduce", ["0", "1"])
 def test_warp_specialized_kernel_gives_trellis_mma_bytes(k, n, spb, dtype, split_reduce, monkeypatch):
-    from exl3moe.kernels.trellis_mma import uses_ws
+    from exl3moe.ops.linear_planning import uses_ws
 
     assert uses_ws(128, k, n, torch.device("cuda")), "the H200 runs 128 rows of every weight on trellis_ws"
     w = make_weight(k, n, 4, "mcg", seed=7)
@@ -238,7 +238,7 @@ def test_chained_calls_that_feed_each_other_give_unchained_bytes(k, n, rows, clu
     None: a chained rotate_input and the kernels after it) where each reads the output the one before it writes, and
     a layer runs twice on one workspace: the bytes of launches that wait for completion, eagerly and in a captured
     graph replayed over NaN-filled outputs."""
-    from exl3moe.kernels.trellis_mma import fuses_rotation, mma_chain, plan_mma, linear_chains
+    from exl3moe.ops.linear_planning import fuses_rotation, linear_chains, mma_chain, plan_mma
 
     if cluster:
         monkeypatch.setenv("EXL3MOE_LINEAR_CLUSTER", cluster)
@@ -345,7 +345,7 @@ def test_split_reduce_kernel_gives_the_last_arrival_bytes(k, n, K, codebook, dty
 def test_cluster_reduction_gives_the_same_bytes(k, n, K, codebook, dtype, monkeypatch):
     """The splits of a 128-column group summed in a cluster's shared memory (6, 8, 16 and 11 splits: portable and
     non-portable sizes): the bytes of the L2 reduction."""
-    from exl3moe.kernels.trellis_mma import cluster_splits, plan_mma
+    from exl3moe.ops.linear_planning import cluster_splits, plan_mma
 
     w = make_weight(k, n, K, codebook, seed=11)
     x = torch.randn(32, k, device="cuda").half()

@@ -303,7 +303,7 @@ def test_run_contract():
 
 def test_split_gate_up_for_small_batches_matches_oracle_and_is_deterministic():
     """Few slots on a wide hidden size: gate/up is split over the hidden size, partials summed in order."""
-    from exl3moe.ops.moe import gate_up_splits
+    from exl3moe.ops.moe_planning import gate_up_splits
 
     experts = random_experts(4, 512, 128, K=[3, 4, 2.5, 6], codebook=["mcg", "3inst", "mul1", "mul1"],
                              generator=torch.Generator().manual_seed(11))

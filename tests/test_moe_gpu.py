@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from exl3moe import EXL3Weight, ExpertSet
-from exl3moe.kernels import moe_mma
+from exl3moe.kernels import moe_mma_source
+from exl3moe.ops import moe_planning
 from exl3moe.ops import fused_experts, moe_plan
 from exl3moe.reference import moe
 from helpers import capture_allocation_free
@@ -330,7 +331,7 @@ def test_packed_kernels_of_many_formats_read_their_biases_ahead():
         plan = moe_plan(layer, T, top_k, block_m=block_m, out_dtype=torch.float16)
         assert plan.mma is not None and not plan.mma.direct
         for name in ("moe_gate_up_mma", "moe_down_mma"):
-            assert ("PACKED_EPILOGUE_AHEAD", 1) in moe_mma.kernel_source(plan.mma, name)[0], (T, name)
+            assert ("PACKED_EPILOGUE_AHEAD", 1) in moe_mma_source.kernel_source(plan.mma, name)[0], (T, name)
         x = (torch.randn(T, H, device="cuda", generator=g) / 4).half()
         ids, weights = routing(T, E, top_k, 70 + T)
         out = torch.empty(T, H, device="cuda", dtype=torch.float16)
@@ -344,7 +345,7 @@ def test_union_stage_passes_give_the_bytes_of_separate_switches(block_m, monkeyp
     switch (UNION_STAGES) and 32-row ones held to 5 blocks per SM give the bytes of the kernels without either,
     within 2e-3 of float64."""
     from exl3moe import ResidualStage
-    from exl3moe.kernels.moe_mma import stage_min_blocks, union_stages
+    from exl3moe.kernels.moe_mma_source import stage_min_blocks, union_stages
     E, H, I, top_k, T = 16, 512, 384, 4, 20
     g = torch.Generator(device="cuda").manual_seed(60)
     base = random_experts(E, H, I, [4], ["mcg"], seed=61)
@@ -382,7 +383,7 @@ def test_stage_blocks_keep_each_tokens_bytes_and_the_base_bytes_without_an_activ
     import os
     from exl3moe import ResidualStage
     if block_m != 16:   # the kernels support every mma.sync plan; the default rule takes 16-row packed ones only
-        monkeypatch.setattr(moe_mma, "stage_blocks", lambda plan: bool(plan.stage_formats) and not plan.ws
+        monkeypatch.setattr(moe_planning, "stage_blocks", lambda plan: bool(plan.stage_formats) and not plan.ws
                             and os.environ.get("EXL3MOE_MOE_STAGE_BLOCKS") != "0")
     E, H, I, top_k = 16, 512, 384, 4
     g = torch.Generator(device="cuda").manual_seed(80)
@@ -419,8 +420,8 @@ def test_stage_blocks_keep_each_tokens_bytes_and_the_base_bytes_without_an_activ
 def test_direct_route_small_calls(qwen3_layer, monkeypatch):
     """A direct plan (raised here to 64 slots) skips the route pack and combines in down: float64 agreement with a
     shared expert and remote ids, fp16 / bf16 / fp32 output, batch invariance inside the plan, and graph replay."""
-    monkeypatch.setattr(moe_mma, "DIRECT_MAX_SLOTS", 64)
-    monkeypatch.setattr(moe_mma, "DIRECT_MAX_SLOTS_MIXED", 64)
+    monkeypatch.setattr(moe_planning, "DIRECT_MAX_SLOTS", 64)
+    monkeypatch.setattr(moe_planning, "DIRECT_MAX_SLOTS_MIXED", 64)
     top_k, H, E = QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
     shared = random_experts(1, H, 768, [4], ["mcg"], seed=60, name="shared")
     plan = moe_plan(qwen3_layer, 8, top_k, shared=shared)
@@ -453,7 +454,7 @@ def test_one_format_direct_down_reads_its_combine_ahead(K):
     8 blocks per SM, the bound dropped where it spills; K4 and K2, whose calls here fit one wave, for 7, gate/up
     too): float64 agreement with remote ids, int32 / int64 ids, fp16 / bf16 / fp32 weights, a shared expert, top_k
     10 (slots past the read-ahead), and row bytes independent of the batch."""
-    from exl3moe.kernels.moe_mma import direct_down_defines
+    from exl3moe.kernels.moe_mma_source import direct_down_defines
     E, H, I = 16, 512, 384
     layer = random_experts(E, H, I, [K], ["mcg"], seed=70)
     shared = random_experts(1, H, 256, [4], ["mcg"], seed=71, name="shared")
@@ -479,7 +480,7 @@ def test_one_format_direct_down_reads_its_combine_ahead(K):
 def test_warp_specialized_experts_give_mma_sync_bytes(qwen3_layer, monkeypatch):
     """128-row route blocks on trellis_ws's mainloop (sm_90) against mma.sync, with a sparse residual stage."""
     T, top_k, H, E = 300, QWEN3["top_k"], QWEN3["hidden"], QWEN3["experts"]
-    assert moe_mma.uses_ws(128, torch.device("cuda")), "the H200 runs 128-row route blocks warp-specialized"
+    assert moe_planning.uses_ws(128, torch.device("cuda")), "the H200 runs 128-row route blocks warp-specialized"
     g = torch.Generator(device="cuda").manual_seed(60)
     quarter = torch.zeros(E, 3, device="cuda")
     quarter[::4] = 0.1
@@ -560,7 +561,7 @@ def test_192_row_blocks_give_the_bytes_of_128_row_blocks_beside_nan_rows(qwen3_l
     monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
     monkeypatch.setenv("EXL3MOE_MOE_SPLIT_ROUTE", "0")
     if shape == "odd-chunks":
-        monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+        monkeypatch.setattr(moe_planning, "TARGET_WARPS", 1)
     ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_WS_192", ("0", "1"),
                                     lambda plan, wide: plan.mma.block_m == (192 if wide == "1" else 128)
                                     and plan.mma.ws_down, 110 + int(tma), nan=True, block_m=None, T=T)
@@ -576,7 +577,7 @@ def test_split_route_blocks_give_the_bytes_of_128_row_blocks_beside_nan_rows(qwe
     monkeypatch.setenv("EXL3MOE_MOE_X_TMA", tma)
     monkeypatch.setenv("EXL3MOE_MOE_WS_192", "0")
     if shape == "odd-chunks":
-        monkeypatch.setattr(moe_mma, "TARGET_WARPS", 1)
+        monkeypatch.setattr(moe_planning, "TARGET_WARPS", 1)
     ws_settings_give_the_same_bytes(qwen3_layer, shape, monkeypatch, "EXL3MOE_MOE_SPLIT_ROUTE", ("0", "1"),
                                     lambda plan, split: plan.mma.block_m == 128 and plan.mma.ws_down
                                     and (plan.wide_mma is not None) == (split == "1"), 120 + int(tma), nan=True,

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from exl3moe.kernels import nvrtc
-from exl3moe.kernels.trellis_mma import CHUNK_K, counter_count, m_tiles, plan_mma
+from exl3moe.kernels.trellis_mma import CHUNK_K, counter_count
+from exl3moe.ops.linear_planning import m_tiles, plan_mma
 
 
 @pytest.mark.parametrize("k,n", [(128, 128), (768, 2048), (2048, 768), (4096, 14336), (14336, 4096), (1408, 4096)])
@@ -38,7 +39,7 @@ def test_cuda_source_is_packaged_and_cpu_tensors_do_not_use_it():
 
 
 def test_rotation_fusion_depends_on_rows_and_shape_only():
-    from exl3moe.kernels.trellis_mma import fuses_rotation
+    from exl3moe.ops.linear_planning import fuses_rotation
     assert fuses_rotation(16, 2048, 768) and not fuses_rotation(17, 2048, 768)
     assert fuses_rotation(4, 4096, 14336) and not fuses_rotation(5, 4096, 14336)
 
@@ -46,7 +47,9 @@ def test_rotation_fusion_depends_on_rows_and_shape_only():
 def test_moe_mma_layout_covers_every_projection_and_stage_format():
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import _dispatch, formats_up_to, moe_mma_layout, warps_for
+    from exl3moe.kernels.moe_mma_config import warps_for
+    from exl3moe.kernels.moe_mma_source import _dispatch
+    from exl3moe.ops.moe_planning import formats_up_to, moe_mma_layout
 
     experts = random_experts(6, 256, 384, K=[4, 2.5, 4, 3, 4, 2.5],
                              codebook=["mcg", "mul1", "3inst", "mul1", "mcg", "mul1"])
@@ -71,7 +74,7 @@ def test_moe_mma_layout_covers_every_projection_and_stage_format():
 def test_packed_plans_split_for_more_warps_with_gate_up_splits_of_three_chunks_or_more():
     from types import SimpleNamespace
 
-    from exl3moe.kernels.moe_mma import PACKED_MIN_SPLIT_CHUNKS, moe_mma_layout
+    from exl3moe.ops.moe_planning import PACKED_MIN_SPLIT_CHUNKS, moe_mma_layout
 
     def shape(H, I):
         w = SimpleNamespace(K=4, codebook="mcg")
@@ -89,7 +92,8 @@ def test_packed_plans_split_for_more_warps_with_gate_up_splits_of_three_chunks_o
 
 
 def test_few_format_stage_plans_take_one_switch_at_16_rows_and_five_blocks_per_sm_at_32(monkeypatch):
-    from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, union_stages
+    from exl3moe.kernels.moe_mma_config import MoeMmaPlan
+    from exl3moe.kernels.moe_mma_source import kernel_source, union_stages
 
     plan = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((2, 1), (4, 1)), 2, 64, 1, 48, False)
     assert union_stages(plan)
@@ -120,8 +124,9 @@ def test_one_format_direct_kernels_of_one_wave_take_the_bound_formats_registers(
     two waves and stage plans keep their bounds."""
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
-                                         DIRECT_GATE_UP_MIN_BLOCKS, kernel_source, moe_mma_layout)
+    from exl3moe.kernels.moe_mma_source import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
+                                                DIRECT_GATE_UP_MIN_BLOCKS, kernel_source)
+    from exl3moe.ops.moe_planning import moe_mma_layout
 
     direct = moe_mma_layout(random_experts(4, 256, 256, K=K, codebook="mcg"), max_slots=8, block_m=16, direct=True)
     gate_up = lambda plan: dict(kernel_source(plan, "moe_gate_up_mma")[0]).get("MIN_BLOCKS")  # noqa: E731
@@ -140,9 +145,10 @@ def test_one_format_direct_kernels_of_one_wave_take_the_bound_formats_registers(
 def test_decode_variants_follow_block_rows_and_format_count():
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
-                                         DIRECT_GATE_UP_MIN_BLOCKS, kernel_source, moe_mma_layout)
+    from exl3moe.kernels.moe_mma_source import (DIRECT_DOWN_MIN_BLOCKS, DIRECT_DOWN_MIN_BLOCKS_MIXED,
+                                                DIRECT_GATE_UP_MIN_BLOCKS, kernel_source)
     from exl3moe.kernels.trellis_mma import pair_scalar
+    from exl3moe.ops.moe_planning import moe_mma_layout
 
     assert [pair_scalar(mt) for mt in (1, 2, 4, 8)] == [3, 3, 0, 0]
     uniform = random_experts(4, 256, 256, K=4, codebook="mcg")
@@ -190,7 +196,7 @@ def test_decode_variants_follow_block_rows_and_format_count():
 def test_direct_route_limit_depends_on_slots_and_formats():
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import direct_route, format_count
+    from exl3moe.ops.moe_planning import direct_route, format_count
 
     uniform = random_experts(4, 256, 256, K=4, codebook="mcg")
     many = random_experts(4, 256, 256, K=[2, 3, 4, 4], codebook=["mcg", "mcg", "mcg", "mul1"])
@@ -200,23 +206,23 @@ def test_direct_route_limit_depends_on_slots_and_formats():
 
 
 def test_warp_specialized_kernel_takes_every_weight_from_the_row_threshold(monkeypatch):
-    from exl3moe.kernels import trellis_mma as tm
+    from exl3moe.ops import linear_planning as lp
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    rows, mid, large = tm.WS_MIN_ROWS, tm.WS_MIN_ROWS_MID, tm.WS_MIN_ROWS_LARGE
-    assert tm.uses_ws(rows, 768, 2048, cuda) and tm.uses_ws(mid, 4096, 1408, cuda)
-    assert tm.uses_ws(large, 4096, 14336, cuda)
-    assert not tm.uses_ws(rows - 1, 768, 2048, cuda), "fewer rows stay on trellis_mma"
-    assert not tm.uses_ws(mid - 1, 1408, 4096, cuda), "mid-size weights from more rows"
-    assert not tm.uses_ws(large - 1, 14336, 4096, cuda), "large weights from more rows still"
-    assert not tm.uses_ws(128, 2048, 768, torch.device("cpu"))
+    rows, mid, large = lp.WS_MIN_ROWS, lp.WS_MIN_ROWS_MID, lp.WS_MIN_ROWS_LARGE
+    assert lp.uses_ws(rows, 768, 2048, cuda) and lp.uses_ws(mid, 4096, 1408, cuda)
+    assert lp.uses_ws(large, 4096, 14336, cuda)
+    assert not lp.uses_ws(rows - 1, 768, 2048, cuda), "fewer rows stay on trellis_mma"
+    assert not lp.uses_ws(mid - 1, 1408, 4096, cuda), "mid-size weights from more rows"
+    assert not lp.uses_ws(large - 1, 14336, 4096, cuda), "large weights from more rows still"
+    assert not lp.uses_ws(128, 2048, 768, torch.device("cpu"))
     monkeypatch.setenv("EXL3MOE_WS", "0")
-    assert not tm.uses_ws(128, 2048, 768, cuda)
+    assert not lp.uses_ws(128, 2048, 768, cuda)
     monkeypatch.setenv("EXL3MOE_WS", "1")
     for capability in ((8, 0), (10, 0)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
-        assert not tm.uses_ws(128, 2048, 768, cuda), "wgmma is sm_90a only"
+        assert not lp.uses_ws(128, 2048, 768, cuda), "wgmma is sm_90a only"
 
 
 @pytest.mark.parametrize("K", [1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 7, 8])
@@ -233,7 +239,8 @@ def test_words_per_lane_cover_every_lane_window(K):
 
 
 def test_whole_split_prefetch_only_on_small_grids_of_two_word_formats():
-    from exl3moe.kernels.trellis_mma import PREFETCH, WHOLE_SPLIT_PREFETCH, prefetch_for
+    from exl3moe.kernels.trellis_mma import PREFETCH
+    from exl3moe.ops.linear_planning import WHOLE_SPLIT_PREFETCH, prefetch_for
 
     assert [prefetch_for(1, 768, 2048, K) for K in (1, 1.5, 2, 3, 4, 6, 8)] == \
         [WHOLE_SPLIT_PREFETCH] * 3 + [PREFETCH, WHOLE_SPLIT_PREFETCH, PREFETCH, PREFETCH]
@@ -251,7 +258,8 @@ def test_benchmark_copies_cycle_past_the_l2():
 
 
 def test_clusters_take_small_grids_of_two_to_sixteen_splits_in_128_column_blocks(monkeypatch):
-    from exl3moe.kernels.trellis_mma import CLUSTER_MAX_BLOCKS, MAX_CLUSTER, cluster_splits
+    from exl3moe.kernels.trellis_mma import MAX_CLUSTER
+    from exl3moe.ops.linear_planning import CLUSTER_MAX_BLOCKS, cluster_splits
 
     monkeypatch.delenv("EXL3MOE_LINEAR_CLUSTER", raising=False)
     assert [cluster_splits(2, s, 16) for s in (1, 2, 6, 11, MAX_CLUSTER, MAX_CLUSTER + 1)] == [0, 2, 6, 11, 16, 0]
@@ -265,7 +273,8 @@ def test_clusters_take_small_grids_of_two_to_sixteen_splits_in_128_column_blocks
 
 
 def test_one_row_calls_that_fit_one_wave_at_seven_blocks_per_sm_get_registers_for_seven():
-    from exl3moe.kernels.trellis_mma import ONE_WAVE_MIN_BLOCKS, PREFETCH, one_wave_min_blocks
+    from exl3moe.kernels.trellis_mma import PREFETCH
+    from exl3moe.ops.linear_planning import ONE_WAVE_MIN_BLOCKS, one_wave_min_blocks
 
     sms = 132
     tiles = plan_mma(4096, 14336)
@@ -280,7 +289,9 @@ def test_one_row_calls_that_fit_one_wave_at_seven_blocks_per_sm_get_registers_fo
 def test_packed_calls_past_small_ones_launch_a_route_blocks_splits_together(monkeypatch):
     from helpers import random_experts
 
-    from exl3moe.kernels.moe_mma import _grid, kernel_source, moe_mma_layout, split_inner_grid
+    from exl3moe.kernels.moe_mma import _grid
+    from exl3moe.kernels.moe_mma_source import kernel_source
+    from exl3moe.ops.moe_planning import moe_mma_layout, split_inner_grid
 
     layer = random_experts(8, 256, 256, K=4, codebook="mcg")
     packed = moe_mma_layout(layer, max_slots=64, block_m=16)
@@ -298,7 +309,10 @@ def test_packed_calls_past_small_ones_launch_a_route_blocks_splits_together(monk
 
 
 def test_stage_plans_on_mma_sync_run_their_stages_in_blocks_of_their_own(monkeypatch):
-    from exl3moe.kernels.moe_mma import MoeMmaPlan, _grid, kernel_source, partial_splits, stage_blocks
+    from exl3moe.kernels.moe_mma import _grid
+    from exl3moe.kernels.moe_mma_config import MoeMmaPlan, partial_splits
+    from exl3moe.kernels.moe_mma_source import kernel_source
+    from exl3moe.ops.moe_planning import stage_blocks
 
     staged = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((4, 1),), 2, 64, 3, 16, False)
     assert stage_blocks(staged)
@@ -316,7 +330,8 @@ def test_stage_plans_on_mma_sync_run_their_stages_in_blocks_of_their_own(monkeyp
 
 
 def test_direct_stage_plans_read_the_first_stage_scale_ahead(monkeypatch):
-    from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, scale_ahead
+    from exl3moe.kernels.moe_mma_config import MoeMmaPlan
+    from exl3moe.kernels.moe_mma_source import kernel_source, scale_ahead
 
     direct = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((4, 1),), 8, 16, 6, 8, False, True)
     assert scale_ahead(direct) and ("SCALE_AHEAD", 1) in kernel_source(direct, "moe_gate_up_mma")[0]
@@ -327,7 +342,8 @@ def test_direct_stage_plans_read_the_first_stage_scale_ahead(monkeypatch):
 
 
 def test_direct_stage_plans_ask_l2_for_the_stage_words_ahead(monkeypatch):
-    from exl3moe.kernels.moe_mma import MoeMmaPlan, kernel_source, stage_words_ahead
+    from exl3moe.kernels.moe_mma_config import MoeMmaPlan
+    from exl3moe.kernels.moe_mma_source import kernel_source, stage_words_ahead
 
     direct = MoeMmaPlan(16, 4, ((8, 1),), ((8, 1),), ((4, 1),), 8, 16, 6, 8, False, True)
     for name in ("moe_gate_up_mma", "moe_down_mma"):

@@ -15,10 +15,12 @@ from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
-from ..kernels.trellis_mma import (call_kernel, counter_count, decode_dense, dense_epilogue, dense_kernel,
-                                   fuses_rotation, plan_mma, prefetch_for, reduce_kernel, rotate_input, rotate_kernel,
-                                   linear_chains, trellis_mma, uses_ws, variant_for, ws_defers_reduce, ws_kernel,
-                                   ws_paired, ws_x_tma, late_rotation)
+from ..kernels.trellis_dense import decode_dense, dense_epilogue, dense_kernel
+from ..kernels.trellis_mma import counter_count, reduce_kernel, rotate_kernel
+from ..kernels.trellis_ws import ws_kernel
+from .linear_cuda import call_kernel, rotate_input, trellis_mma
+from .linear_planning import (fuses_rotation, late_rotation, linear_chains, plan_mma, prefetch_for, uses_ws,
+                              variant_for, ws_defers_reduce, ws_paired, ws_x_tma)
 from .contracts import check_packed, check_workspace
 from .workspaces import workspace_for
 

@@ -36,73 +36,24 @@ import triton
 from ..errors import ContractError
 from ..format.experts import ExpertSet, check_shared
 from ..kernels.moe_combine import moe_combine
-from ..kernels import nvrtc
 from ..kernels.moe_experts import moe_down, moe_gate_up
-from ..kernels.moe_mma import (MAX_GRID_ROWS, WIDE_BLOCK_M, check_ring_turns, direct_route, format_count,
-                                formats_up_to, moe_down_mma, moe_gate_up_mma, moe_rotate_input, plan_moe_mma,
-                                projection_formats, split_min_slots, split_route_blocks, supported, wide_blocks_run,
-                                wide_route_blocks, workspace_numels)
+from ..kernels.moe_mma import moe_down_mma, moe_gate_up_mma, moe_rotate_input
+from ..kernels.moe_mma_config import WIDE_BLOCK_M, workspace_numels
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
 from ..kernels.trellis_decode import interpreting
 from .contracts import check_matrix, check_weights_unchanged, check_workspace, weights_key
 from .tables import MoETables, build_tables, check_expert_set
+from .moe_planning import DEFAULT_SLOT_CAPACITY, MoECallPlan, check_call_limits, plan_moe_call
 from .moe_split import split_layout, split_launches
 from .moe_torch import moe_torch
-from .stage_limits import stage_codebook_set, stage_k2_limit
+from .stage_limits import stage_codebook_set
 from .stage_tables import caller_stage_tables, stage_set_tables, staged_first, write_stage_tables
 
-# Slots per chunk by default: 4096 top-8 tokens, ~256 rows per expert at E = 128 (each expert's tiles decoded
-# for more rows at a time); the workspace is then ~750 MB for Qwen3-30B-A3B, ~1.5 GB for GLM-4.5-Air.
-DEFAULT_SLOT_CAPACITY = 32768
-# Route-block rows: 16 is the smallest MMA tile; above 32 the sm_90 build of the Triton gate/up spills (cuobjdump).
-# The CUDA kernels take up to 128 and skip m16 tiles past a block's rows, so they get headroom over the average.
-MIN_BLOCK_M, MAX_BLOCK_M, CUDA_MAX_BLOCK_M = 16, 32, 128
-# Decode sub-block (k rows) on the GPU: [32, 128] keeps the word gather's registers near the linear kernel's.
-GPU_DECODE_K = 32
-# Decode sub-block under the interpreter: one 128-row block per k-chunk means fewest interpreted steps.
-INTERPRET_DECODE_K = 128
 INPUT_DTYPES = (torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 OUTPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _ALIGN = 256
-
-
-# gate/up programs wanted in flight: below this the hidden size is split (partials summed in a fixed order).
-SPLIT_TARGET_PROGRAMS = 768
-
-
-def gate_up_splits(max_slots: int, num_experts: int, hidden: int, inter: int) -> int:
-    """Hidden-size splits of gate/up, from the plan's shape alone (never from the data or the chunking)."""
-    busy = min(num_experts, max_slots) * (inter // 128)
-    splits = 1
-    while splits * 2 <= hidden // 128 and busy * splits * 2 <= SPLIT_TARGET_PROGRAMS:
-        splits *= 2
-    return splits
-
-
-def route_block_rows(slots: int, num_experts: int, largest: int = MAX_BLOCK_M, headroom: float = 1.0) -> int:
-    """Route-block size from the average rows per expert (times headroom): a power of two in [16, largest]."""
-    rows = max(1, int(-(-slots * headroom // num_experts)))
-    return max(MIN_BLOCK_M, min(largest, triton.next_power_of_2(rows)))
-
-
-def check_wide_block_m(experts: ExpertSet, max_tokens: int, top_k: int, slots: int, stage_k2: int) -> None:
-    """ContractError unless an asked-for block_m of 192 can run: the H200's warp-specialized CUDA experts (gated,
-    stages up to K = 4, down in one k split) over a chunk of `slots` within the grid's rows."""
-    if not (nvrtc.available(experts.device) and supported(experts, stage_k2)
-            and wide_blocks_run(experts, max_tokens * top_k)
-            and route_pack_max_blocks(slots, experts.num_experts, WIDE_BLOCK_M) <= MAX_GRID_ROWS // 2):
-        raise ContractError("block_m", "192 needs the H200's warp-specialized CUDA experts (gated, stages up to "
-                            "K = 4, down in one k split)")
-
-
-def format_order(experts: ExpertSet) -> list | None:
-    """Experts sorted (stably) by their gate, up and down formats; None when they all share one: route blocks
-    in this order keep the experts of one format, and so one compiled mainloop, together on the GPU."""
-    formats = [f for f in projection_formats(experts) if f]
-    keys = [tuple(f[e] for f in formats) for e in range(experts.num_experts)]
-    return sorted(range(experts.num_experts), key=keys.__getitem__) if len(set(keys)) > 1 else None
 
 
 def use_triton(t: torch.Tensor) -> bool:
@@ -137,10 +88,8 @@ class MoEPlan:
         if max_stage_bits and max_stage_bits * 2 not in range(2, 17):
             raise ContractError("max_stage_bits", f"must be 0 or a valid K (1..8, 1.5, 2.5, 3.5), got {max_stage_bits}")
         check_expert_set(experts)
-        check_ring_turns(experts, max_tokens * top_k)   # the MoE ring's settings, before anything reaches the device
-        if block_m == WIDE_BLOCK_M:
-            check_wide_block_m(experts, max_tokens, top_k, min(max_tokens, capacity // top_k) * top_k,
-                               stage_k2_limit(experts, stage_capacity, max_stage_bits))
+        # The MoE ring's settings and an asked-for 192-row block_m, before anything reaches the device.
+        check_call_limits(experts, max_tokens, top_k, capacity, block_m, stage_capacity, max_stage_bits)
         self.stage_codebooks = stage_codebook_set(experts, stage_codebooks)
         if shared is not None:
             check_shared(shared, experts)
@@ -148,87 +97,64 @@ class MoEPlan:
         self.weights_key = weights_key(experts, shared)   # bind refuses weights changed after this
         # Everything is validated: only now do tables reach the device.
         self.tables: MoETables = build_tables(experts, stage_capacity=stage_capacity)
-        self.stage_max_k2 = stage_k2_limit(experts, stage_capacity, max_stage_bits)
-        self.stage_formats = formats_up_to(self.stage_max_k2, self.stage_codebooks)
+        self.shared_tables = build_tables(shared, "shared") if shared is not None else None
+        # Every decision of the plan's calls; the CUDA experts' kernels compiled here, before any capture.
+        call = self.call_plan = plan_moe_call(experts, max_tokens, top_k, shared, capacity, block_m, decode_k,
+                                              stage_capacity, max_stage_bits, self.stage_codebooks)
+        self.stage_max_k2, self.stage_formats = call.stage_max_k2, call.stage_formats
         self.tables.max_k2_gate_up = max(self.tables.max_k2_gate_up, self.stage_max_k2)
         self.tables.max_k2_down = max(self.tables.max_k2_down, self.stage_max_k2)
-        self.shared_tables = build_tables(shared, "shared") if shared is not None else None
         E = experts.num_experts
         self.experts, self.shared = experts, shared
         self.device = experts.device
         self.max_tokens, self.top_k, self.out_dtype = max_tokens, top_k, out_dtype
-        self.chunk_tokens = min(max_tokens, capacity // top_k)
-        self.slot_capacity = self.chunk_tokens * top_k
-        cuda = nvrtc.available(self.device) and supported(experts, self.stage_max_k2)
-        cuda_block_m = block_m or route_block_rows(self.slot_capacity, E, CUDA_MAX_BLOCK_M, 1.5)
-        split = (cuda and block_m is None and cuda_block_m == 128
-                 and split_route_blocks(experts, self.slot_capacity, max_tokens * top_k))
-        if cuda and block_m is None and not split and wide_route_blocks(experts, self.slot_capacity,
-                                                                        max_tokens * top_k):
-            cuda_block_m = WIDE_BLOCK_M
-        # The CUDA experts' route blocks are grid rows (at most 65535; half that beside stage blocks, stage_blocks).
-        rows = MAX_GRID_ROWS // 2 if self.stage_formats else MAX_GRID_ROWS
-        cuda = cuda and route_pack_max_blocks(self.slot_capacity, E, cuda_block_m) <= rows
-        self.block_m = cuda_block_m if cuda else block_m or route_block_rows(self.slot_capacity, E)
-        self.shared_block_m = route_block_rows(self.chunk_tokens, 1)
-        order = self.base_order = format_order(experts)   # the order staged_first starts from
-        self.decode_k = decode_k or (INTERPRET_DECODE_K if interpreting() else GPU_DECODE_K)
-        H, I, S = experts.hidden_size, experts.intermediate_size, self.slot_capacity
-        self.gate_up_splits = gate_up_splits(max_tokens * top_k, E, H, I)
+        self.chunk_tokens, self.slot_capacity = call.chunk_tokens, call.slot_capacity
+        self.block_m, self.shared_block_m, self.decode_k = call.block_m, call.shared_block_m, call.decode_k
+        self.gate_up_splits, self.split_min_slots = call.gate_up_splits, call.split_min_slots
+        self.mma, self.wide_mma, self.shared_mma = call.mma, call.wide_mma, call.shared_mma
+        self.base_order = list(call.base_order) if call.base_order else None   # the order staged_first starts from
+        self.staged_order = call.staged_order   # an order to rewrite when the stages change
+        order = staged_first(self.tables.stage_scale, self.base_order) if self.staged_order else self.base_order
+        self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
+        self._layout = self._workspace_layout(call, E, experts.hidden_size, experts.intermediate_size)
+        self.workspace_bytes = sum(_padded_bytes(n, dt) for _, n, dt in self._layout)
+        if call.direct:   # slot b is position b; the last of a token's slot blocks combines its 128 columns
+            self.direct_slots = torch.arange(self.slot_capacity, dtype=torch.int32).to(self.device)
+        if self.shared_mma is not None:
+            # The shared expert's fixed route: token t is slot t, blocks of shared_block_m rows in order.
+            blocks = triton.cdiv(self.chunk_tokens, self.shared_block_m)
+            rows = torch.arange(self.chunk_tokens + 1, dtype=torch.int32)
+            self.shared_route = (torch.zeros(blocks, dtype=torch.int32, device=self.device),
+                                 (rows[:blocks] * self.shared_block_m).to(self.device), rows.to(self.device))
+
+    def _workspace_layout(self, call: MoECallPlan, E: int, H: int, I: int) -> list:
+        """(name, elements, dtype) of every workspace entry, in order."""
+        S, shared = self.slot_capacity, self.shared
         max_blocks = route_pack_max_blocks(S, E, self.block_m)
-        self._layout = [
+        layout = [
             ("h_rot", S * I, torch.float16), ("y", S * H, torch.float32),
             ("sorted_slots", S, torch.int32), ("block_expert", max_blocks, torch.int32),
             ("block_start", max_blocks, torch.int32), ("counts", E + 1, torch.int32),
             ("offsets", E + 2, torch.int32), ("num_blocks", 1, torch.int32),
             ("route_workspace", route_pack_workspace_numel(S, E), torch.int32),
         ]
-        # CUDA C++ experts where they can run (compiled here, before any capture); the Triton kernels otherwise.
-        direct = direct_route(S, self.block_m, format_count(experts))
-        shared_cuda = shared is not None and nvrtc.available(self.device) and supported(shared, 0)
-        # A direct plan runs the shared expert first, so its gate/up follows the shared down.
-        self.mma = plan_moe_mma(experts, max_tokens * top_k, self.block_m, self.stage_formats, direct,
-                                after_down=direct and shared_cuda, split_peer=int(split)) if cuda else None
-        # Route-packed mma.sync plans of stages keep the experts with an active stage first (staged_first).
-        self.staged_order = (self.mma is not None and not self.mma.direct and not self.mma.ws
-                             and bool(self.stage_formats))
-        if self.staged_order:   # an order to rewrite when the stages change
-            order = staged_first(self.tables.stage_scale, order)
-        self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
-        # Chunks of split_min_slots or more also run 192-row blocks (split_route_blocks).
-        split = split and self.mma is not None and self.mma.ws and self.mma.ws_down and self.mma.pre_rotate
-        self.wide_mma = (plan_moe_mma(experts, max_tokens * top_k, WIDE_BLOCK_M, self.stage_formats, split_peer=2)
-                         if split else None)
-        self.split_min_slots = split_min_slots(E)
         if self.mma is not None:
             # A direct plan's blocks are its slots (more than max_blocks when E < S).
-            self._layout += _mma_layout("mma_", self.mma, S, max(S, max_blocks) if direct else max_blocks, H, I)
+            layout += _mma_layout("mma_", self.mma, S, max(S, max_blocks) if call.direct else max_blocks, H, I)
             if self.wide_mma is not None:
-                self._layout = split_layout(self._layout, self.wide_mma, S, E, H, I)
-            if direct:
-                # Slot b is position b; the last of a token's slot blocks combines its 128 columns.
-                self.direct_slots = torch.arange(S, dtype=torch.int32).to(self.device)
-                self._layout.append(("mma_token_counters", self.chunk_tokens * (H // 128), torch.int32))
+                layout = split_layout(layout, self.wide_mma, S, E, H, I)
+            if call.direct:
+                layout.append(("mma_token_counters", self.chunk_tokens * (H // 128), torch.int32))
         elif self.gate_up_splits > 1:
-            self._layout.append(("gate_up_partial", self.gate_up_splits * 2 * S * I, torch.float32))
-        self.shared_mma = None
+            layout.append(("gate_up_partial", self.gate_up_splits * 2 * S * I, torch.float32))
         if shared is not None:
-            self._layout += [("shared_h_rot", self.chunk_tokens * shared.intermediate_size, torch.float16),
-                             ("shared_y", self.chunk_tokens * H, torch.float32)]
-            if shared_cuda:
-                self.shared_block_m = route_block_rows(self.chunk_tokens, 1, CUDA_MAX_BLOCK_M)
-                # A packed plan runs the shared expert after the routed down.
-                after_down = self.mma is not None and not self.mma.direct and not self.mma.ws_down
-                self.shared_mma = plan_moe_mma(shared, self.chunk_tokens, self.shared_block_m,
-                                               after_down=after_down)
+            layout += [("shared_h_rot", self.chunk_tokens * shared.intermediate_size, torch.float16),
+                       ("shared_y", self.chunk_tokens * H, torch.float32)]
+            if self.shared_mma is not None:
                 blocks = triton.cdiv(self.chunk_tokens, self.shared_block_m)
-                self._layout += _mma_layout("shared_mma_", self.shared_mma, self.chunk_tokens, blocks, H,
-                                            shared.intermediate_size)
-                # The shared expert's fixed route: token t is slot t, blocks of shared_block_m rows in order.
-                rows = torch.arange(self.chunk_tokens + 1, dtype=torch.int32)
-                self.shared_route = (torch.zeros(blocks, dtype=torch.int32, device=self.device),
-                                     (rows[:blocks] * self.shared_block_m).to(self.device), rows.to(self.device))
-        self.workspace_bytes = sum(_padded_bytes(n, dt) for _, n, dt in self._layout)
+                layout += _mma_layout("shared_mma_", self.shared_mma, self.chunk_tokens, blocks, H,
+                                      shared.intermediate_size)
+        return layout
 
     def bind(self, workspace: torch.Tensor) -> "MoERunner":
         """A runner whose scratch is views into `workspace` (1-D uint8, >= workspace_bytes, on the experts' device)."""

@@ -12,7 +12,8 @@ from functools import partial
 
 import torch
 
-from ..kernels.moe_mma import moe_down_mma, moe_gate_up_mma, moe_rotate_input, workspace_numels
+from ..kernels.moe_mma import moe_down_mma, moe_gate_up_mma, moe_rotate_input
+from ..kernels.moe_mma_config import workspace_numels
 from ..kernels.route_split import route_split, route_split_max_blocks
 
 _PARTIALS = ("gate_up_partial", "down_partial")
