@@ -101,11 +101,11 @@ def encode(header, data: bytes, length: int | None = None) -> bytes:
 
 def layout(tensors: dict) -> tuple:
     """(header dict, data) laying `tensors` ({key: (dtype name, shape, bytes)}) out back to back."""
-    header, data = {}, b""
+    header, offset = {}, 0
     for key, (dtype, shape, blob) in tensors.items():
-        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [len(data), len(data) + len(blob)]}
-        data += blob
-    return header, data
+        header[key] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+    return header, b"".join(blob for _, _, blob in tensors.values())
 
 
 KEYS = st.text(min_size=1, max_size=12) | st.text(st.characters(codec="utf-8"), max_size=4).map(lambda s: "k" * 300 + s)
