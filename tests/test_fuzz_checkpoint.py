@@ -320,30 +320,27 @@ def test_mutated_config_is_refused_or_read_exactly(copy, data):
     check_linear(reader.linear("lm_head"), base, "lm_head")
 
 
-def _expert_copy(table: dict, source: int, name: str) -> dict:
-    """The table with expert `source`'s three projections also stored as expert `name`."""
-    prefix = f"{LAYER}.experts.{source}."
-    return {**table, **{f"{LAYER}.experts.{name}.{k[len(prefix):]}": v for k, v in table.items()
-                        if k.startswith(prefix)}}
+def open_with_copy(copy, source: str, target: str):
+    """The fixture reopened with module `source`'s tensors also stored under the name `target`."""
+    path, base = copy
+    write_table(path, {**base, **{target + k[len(source):]: v for k, v in base.items() if k.startswith(source + ".")}})
+    return open_checkpoint(path)
 
 
 @pytest.mark.xfail(strict=True, reason="checkpoint.py: CheckpointReader.experts keys members by int(index), so "
                    "experts.3 and experts.03 collapse into one and one of them is dropped silently "
                    "(FormatError wanted)")
 def test_two_modules_for_one_expert_index_are_refused(copy):
-    path, base = copy
-    write_table(path, _expert_copy(base, 5, "03"))
+    reader = open_with_copy(copy, f"{LAYER}.experts.5", f"{LAYER}.experts.03")
     with pytest.raises(FormatError):
-        open_checkpoint(path).experts(LAYER)
+        reader.experts(LAYER)
 
 
 @pytest.mark.xfail(strict=True, reason="checkpoint.py: CheckpointReader.experts builds set(range(max index + 1)) "
                    "to find gaps, so one expert named 300000 allocates ~35 MB before refusing (a 2^40 index: all "
                    "memory); count the experts against the largest index first")
 def test_huge_expert_index_is_refused_without_allocating(copy):
-    path, base = copy
-    write_table(path, _expert_copy(base, 5, "300000"))
-    reader = open_checkpoint(path)
+    reader = open_with_copy(copy, f"{LAYER}.experts.5", f"{LAYER}.experts.300000")
     tracemalloc.start()
     try:
         with pytest.raises(FormatError, match="missing"):
@@ -359,11 +356,9 @@ def test_huge_expert_index_is_refused_without_allocating(copy):
                    "length bound)")
 @pytest.mark.parametrize("name", ["blk." + "9" * 5000, "blk.1\u00b2"], ids=["5000-digits", "superscript"])
 def test_odd_digit_names_are_read_or_refused(copy, name):
-    path, base = copy
-    write_table(path, {**base, **{f"{name}.{k[len('lm_head.'):]}": v for k, v in base.items()
-                                  if k.startswith("lm_head.")}})
+    base = copy[1]
     try:
-        reader = open_checkpoint(path)
+        reader = open_with_copy(copy, "lm_head", name)
         reader.keys()
         check_linear(reader.linear(name), base | {f"{name}.{s}": base[f"lm_head.{s}"] for s in SUBKEYS}, name)
     except FormatError:
