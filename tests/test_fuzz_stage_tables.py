@@ -76,7 +76,7 @@ def follows_the_contract(plan, tables, version) -> bool:
             return False
         if not torch.isfinite(bias).all():
             return False
-    scale, addr = tables["stage_scale"].double(), tables["stage_addr"]
+    scale, addr = tables["stage_scale"].detach().double(), tables["stage_addr"]
     for s, p, e in (scale != 0).nonzero().tolist():
         fmt = (int(tables["stage_k2"][s, p, e]), int(tables["stage_codebook"][s, p, e]))
         v, a = float(scale[s, p, e]), int(addr[s, p, e])
