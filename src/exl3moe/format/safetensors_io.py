@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -21,6 +22,8 @@ DTYPES = {
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 ITEM_BYTES = {name: torch.empty((), dtype=dtype).element_size() for name, dtype in DTYPES.items()}
 MAX_HEADER_BYTES = 100_000_000  # the limit the safetensors library itself enforces
+MAX_INT_DIGITS = 20  # 2^64 has 20 digits; longer integer literals are refused before Python converts them
+MAX_DIMS = 64  # far above any checkpoint tensor; bounds what a shape list makes torch allocate
 METADATA_KEY = "__metadata__"
 
 
@@ -57,17 +60,28 @@ def _reject_constant(name: str):
     raise ValueError(f"non-standard JSON constant {name}")
 
 
+def _bounded_int(digits: str) -> int:
+    if len(digits.lstrip("-")) > MAX_INT_DIGITS:
+        raise ValueError(f"integer literal of {len(digits)} characters exceeds 64 bits")
+    return int(digits)
+
+
 def _parse_json(raw: bytes, shard: str) -> dict:
     try:
         text = raw.decode("utf-8")
         if not text.startswith("{"):
             raise ValueError("header must start with '{'")
-        header = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant)
+        header = json.loads(text, object_pairs_hook=_no_duplicate_keys, parse_constant=_reject_constant,
+                            parse_int=_bounded_int)
     except (ValueError, RecursionError) as err:
         raise FormatError(shard, f"header is not valid JSON: {err}") from None
     if not isinstance(header, dict):
         raise FormatError(shard, "header must be a JSON object")
     return header
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def _is_count(x) -> bool:
@@ -85,11 +99,15 @@ def _entry(key: str, info, path: str, data_start: int, data_size: int) -> Tensor
         raise FormatError(key, f"in {shard}: header record must be an object, got {type(info).__name__}")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPES:
-        raise FormatError(key, f"in {shard}: unknown or unsupported dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise FormatError(key, f"in {shard}: shape must be a list of non-negative integers, got {shape!r}")
+        raise FormatError(key, f"in {shard}: unknown or unsupported dtype {_clip(repr(dtype))}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
+        raise FormatError(key, f"in {shard}: shape must be a list of at most {MAX_DIMS} integers in [0, 2^63), "
+                          f"got {_clip(repr(shape))}")
+    if math.prod(max(d, 1) for d in shape) >= 1 << 63:
+        raise FormatError(key, f"in {shard}: shape {shape} has strides beyond 64 bits, even if empty")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
-        raise FormatError(key, f"in {shard}: data_offsets must be two non-negative integers, got {offsets!r}")
+        raise FormatError(key, f"in {shard}: data_offsets must be two integers in [0, 2^63), got "
+                          f"{_clip(repr(offsets))}")
     begin, end = offsets
     if begin > end or end > data_size:
         raise FormatError(key, f"in {shard}: data_offsets [{begin}, {end}] lie outside the {data_size}-byte data area")
@@ -112,12 +130,25 @@ def _check_tiling(entries: list, data_start: int, data_size: int, shard: str) ->
         raise FormatError(shard, f"{data_start + data_size - position} bytes after the last tensor are not indexed")
 
 
+def _open_regular(path: str):
+    """(binary file, size) of a regular file; a FIFO, device or directory is refused without blocking on it."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise FormatError(os.path.basename(path), "is not a regular file")
+        return os.fdopen(fd, "rb"), info.st_size
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def read_header(path: str) -> dict:
     """Parse and validate one shard's header; returns {key: TensorEntry}. Reads no tensor data."""
     shard = os.path.basename(path)
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        f, size = _open_regular(path)
+        with f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise FormatError(shard, f"truncated: {size} bytes, too short for the 8-byte header length")
@@ -145,7 +176,7 @@ def read_bytes(entry: TensorEntry, handle=None) -> bytes:
     """The raw bytes of one tensor; a file that shrank since its header was read is a FormatError."""
     try:
         if handle is None:
-            with open(entry.path, "rb") as f:
+            with _open_regular(entry.path)[0] as f:
                 return read_bytes(entry, f)
         handle.seek(entry.offset)
         data = handle.read(entry.nbytes)

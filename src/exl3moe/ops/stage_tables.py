@@ -92,6 +92,7 @@ def _check_entries(plan, addr, k2, codebook, scale) -> None:
     if not plan.tables.gated:
         _refuse_where(active[:, :1], "stage_scale", "must be 0 on the gate (p = 0): the experts have no gate")
     _refuse_where(active & (addr == 0), "stage_addr", "must be nonzero where the scale is nonzero")
+    _refuse_where(active & (addr < 0), "stage_addr", "must not be negative (a data_ptr()) where the scale is nonzero")
     _refuse_where(active & (addr % 4 != 0), "stage_addr", "must be 4-byte aligned (kernels read int32 words)")
     _refuse_where(active & ~torch.isin(codebook, torch.tensor(sorted(CODEBOOK_ID.values()), dtype=torch.int32)),
                   "stage_codebook", "must be 0 (3inst), 1 (mcg) or 2 (mul1)")
@@ -108,19 +109,28 @@ def _check_entries(plan, addr, k2, codebook, scale) -> None:
                   f"{plan.stage_formats} (moe_plan(..., stage_capacity=..., max_stage_bits=...))")
 
 
+def _check_table(table, field: str, dtype: torch.dtype, device: torch.device) -> None:
+    """A dense (strided, not nested) contiguous tensor of `dtype` on `device`: what copy_ into a plan table reads."""
+    if isinstance(table, torch.Tensor) and (table.layout != torch.strided or table.is_nested):
+        raise ContractError(field, f"must be a dense strided tensor, got layout {table.layout}"
+                            f"{' (nested)' if table.is_nested else ''}")
+    _check_tensor(table, field, dtype, device)
+
+
 def _check_bias(plan, tables: Mapping, field: str) -> torch.Tensor:
-    """A caller's bias table of the plan's shape, float32 and finite; only where the plan has that table."""
+    """A caller's bias table of the plan's shape, float32 and finite, as a private copy (no autograd history, no
+    memory shared with the plan's); only where the plan has that table."""
     t = plan.tables
     if getattr(t, field) is None:
         raise ContractError(field, "the plan has no bias table to rewrite (its experts and stages have no biases)")
     table = tables[field]
-    _check_tensor(table, field, torch.float32, plan.device)
+    _check_table(table, field, torch.float32, plan.device)
     shape = tuple(getattr(t, field).shape)
     if tuple(table.shape) != shape:
         raise ContractError(field, f"must have shape {list(shape)}, got {list(table.shape)}")
     if not bool(torch.isfinite(table).all()):
         raise ContractError(field, "must be finite")
-    return table
+    return table.detach().clone()
 
 
 def caller_stage_tables(plan, tables, abi_version) -> dict:
@@ -144,7 +154,7 @@ def caller_stage_tables(plan, tables, abi_version) -> dict:
         if field not in tables:
             raise ContractError(field, f"is missing: a {dtype} [{shape[0]}, 3, {shape[2]}] table is required")
         table = tables[field]
-        _check_tensor(table, field, dtype, plan.device)
+        _check_table(table, field, dtype, plan.device)
         if tuple(table.shape) != shape:
             raise ContractError(field, f"must have shape {list(shape)} (the plan's [S, 3, E]), got {list(table.shape)}")
         host[field] = table.detach().cpu()
