@@ -200,8 +200,8 @@ class MoEPlan:
         "bias_gate_up" / "bias_down" where the plan has bias tables (absent: left as they are). Refused with
         ContractError naming the field or entry (nothing written): an abi_version other than MOE_ADDITIVE_ABI_VERSION,
         a wrong dtype, shape, device or layout, a non-finite scale or one outside 2^-40..2^40, a nonzero scale on a
-        non-positive or unaligned address, or a (2K, codebook) outside the plan's compiled `stage_formats`; entries of zero
-        scale are ignored (written empty). Rewrites the route-block order as load_stages does. Validation reads the
+        non-positive or unaligned address, or a (2K, codebook) outside the plan's compiled `stage_formats`; entries of
+        zero scale are ignored (written empty). Rewrites the route-block order as load_stages does. Validation reads the
         tables on the host (it syncs): call between replays, never inside a capture. The caller keeps every tensor
         the addresses point at alive; the plan stops holding the stages of an earlier load_stages.
         """
