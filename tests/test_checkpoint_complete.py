@@ -184,7 +184,8 @@ def test_architecture_rules():
     glm = {**base, "model_type": "glm4_moe", "n_routed_experts": 4, "n_shared_experts": 1, "first_k_dense_replace": 1}
     linears, tensors = names(glm)
     assert dense(0) <= linears and "model.layers.1.mlp.shared_experts.down_proj" in linears
-    assert "model.layers.1.mlp.experts.3.gate_proj" in linears and "model.layers.0.mlp.experts.0.gate_proj" not in linears
+    assert "model.layers.1.mlp.experts.3.gate_proj" in linears
+    assert "model.layers.0.mlp.experts.0.gate_proj" not in linears
     assert tensors == {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.gate.e_score_correction_bias"}
     linears, _ = names({**base, "model_type": "mixtral", "num_local_experts": 2})
     assert "model.layers.1.block_sparse_moe.experts.1.w2" in linears and not linears & dense(0)
