@@ -8,12 +8,13 @@ import torch
 from rich.console import Console
 
 from . import reference
-from .backends import describe, plan_backend
+from .backends import CUDA, describe, device_backend, plan_backend
 from .format.experts import ExpertSet
 from .format.weight import EXL3Weight
 from .ops.linear import linear_plan
 from .ops.moe import moe_plan
 from .rows import LIMIT, RowPrinter, rel_l2, report_console
+from .warmup import MoESpec, Specs, WeightSpec, warm
 
 DEMO_K = [2, 3, 4, 5, 6, 8, 2.5, 3.5]
 DEMO_CODEBOOKS = ["mcg", "mul1", "3inst", "mcg", "mul1", "3inst", "mul1", "mul1"]
@@ -41,6 +42,15 @@ def route(hidden: torch.Tensor, E: int, top_k: int, g: torch.Generator):
     return ids, weights / weights.sum(-1, keepdim=True)
 
 
+def precompile(experts: ExpertSet, top_k: int, tokens: int, console: Console) -> None:
+    """On a GPU that runs the CUDA C++ kernels: compile the demo's variants in parallel before its rows."""
+    if device_backend(experts.device) != CUDA:
+        return
+    spec = lambda w: WeightSpec(w.in_features, w.out_features, w.K, w.codebook)  # noqa: E731
+    layer = MoESpec(*(tuple(map(spec, ws)) for ws in (experts.gate, experts.up, experts.down)), top_k=top_k)
+    warm(Specs({spec(experts.down[0])}, {layer}), experts.device, console, linear_rows=tokens, moe_tokens=(tokens,))
+
+
 def run_demo(device: torch.device, tokens: int = 9, console: Console | None = None) -> float:
     """Run a mixed-K MoE layer and one linear on `device`; print a row each; return the worst relative error."""
     console = console or report_console()
@@ -50,9 +60,10 @@ def run_demo(device: torch.device, tokens: int = 9, console: Console | None = No
     console.print(f"compares: {tokens} random fp16 tokens through a routed MoE layer whose 8 experts use 8 (K, "
                   f"codebook) formats, and through one linear, against float64 on the same quantized weights; "
                   f"pass: relative L2 error < {LIMIT:g}")
+    experts = demo_layer(E, hidden, inter, g, device)
+    precompile(experts, top_k, tokens, console)
     printer = RowPrinter(console)
     printer.header()
-    experts = demo_layer(E, hidden, inter, g, device)
     x = (torch.randn(tokens, hidden, generator=g) * 0.5).half().to(device)
     ids, weights = route(x, E, top_k, g)
     start = time.perf_counter()

@@ -71,7 +71,7 @@ class Specs:
     moes: set = field(default_factory=set)
 
     def describe(self) -> str:
-        return f"{len(self.linears)} linear shapes x formats and {len(self.moes)} MoE layer formats"
+        return f"{len(self.linears)} distinct linear(s) and {len(self.moes)} distinct MoE layer(s)"
 
 
 def nvrtc_problem() -> str | None:
