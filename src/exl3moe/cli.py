@@ -1,213 +1,212 @@
-"""exl3moe command line: inspect | demo | verify | bench | quantize."""
+"""exl3moe command line: inspect | verify | demo | warmup | bench. A usage mistake or input that cannot be read is one
+line on stderr and exit code 2; a numerical check over its limit is exit code 1."""
 
 from __future__ import annotations
 
 import argparse
-import re
+import os
 import sys
-from collections import Counter
+import textwrap
 
+import torch
 from rich.console import Console
-from rich.table import Table
 
-from .errors import FormatError
-from .format.checkpoint import EXPERT_RE, SHARED_EXPERT_NAMES, CheckpointReader, natural_key, open_checkpoint
+from . import __version__
+from .checkpoint_report import inspect_checkpoint
+from .errors import ContractError, FormatError
+from .format.checkpoint import open_checkpoint
+from .rows import DEFAULT_WIDTH, LIMIT, report_console
+from .warmup import CACHE_DOC
 
-LAYER_RE = re.compile(r"^(?P<layer>.*?\.layers\.\d+)\.(?P<rest>.+)$")
-BAR_WIDTH = 20
-
-
-def format_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n:.2f} TiB"
-
-
-def format_k(K: float) -> str:
-    return f"{K:g}"
-
-
-def summarise(values: list) -> str:
-    """'2.5' when uniform, else counts per value: '2.5 x12, 3 x4'."""
-    counts = Counter(values)
-    if len(counts) == 1:
-        return str(next(iter(counts)))
-    return ", ".join(f"{v} x{c}" for v, c in sorted(counts.items(), key=lambda vc: str(vc[0])))
+EXIT_CODES = """exit codes:
+  0  pass (inspect: the checkpoint is complete and consistent)
+  1  a numerical check failed: a row's relative L2 error against float64 is over its limit
+  2  a usage mistake, or input that cannot be read: a missing or incomplete checkpoint, a layer
+     that could not be checked, a device this machine lacks (one line on stderr)"""
+ENVIRONMENT = """environment:
+  EXL3MOE_CUDA_KERNELS=0  run the Triton kernels on the GPU instead of the CUDA C++ (NVRTC) ones
+  EXL3MOE_CACHE_DIR       where compiled CUDA kernels are kept (default ~/.cache/exl3moe/cubins, or
+                          $XDG_CACHE_HOME/exl3moe/cubins; empty: no disk cache)
+  TRITON_INTERPRET=1      run the Triton kernels on the CPU (slow; what the CPU tests do)"""
+MAX_TOKENS = 4096
 
 
-def split_layer(key: str) -> tuple:
-    """('model.layers.3', 'mlp.experts.*.gate_proj'): the layer and the projection group of a linear key."""
-    m = LAYER_RE.match(key)
-    layer, rest = (m["layer"], m["rest"]) if m else ("-", key)
-    return layer, re.sub(r"\.experts\.\d+\.", ".experts.*.", rest)
+class CliError(Exception):
+    """A mistake or an impossibility the user can act on: one line, exit code 2."""
 
 
-def overview_table(reader: CheckpointReader) -> Table:
-    qc = reader.config.get("quantization_config", {})
-    linears = reader.linears()
-    weights = sum(i.numel for i in linears)
-    shards = sorted({reader.entry(k).shard for k in reader.keys()})
-    linear_bytes = sum(i.stored_bytes for i in linears)
-    table = Table(title="Checkpoint", show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value", overflow="fold")
-    table.add_row("path", reader.path)
-    table.add_row("architecture", ", ".join(map(str, reader.config.get("architectures", []))) or "-")
-    table.add_row("quantization", ", ".join(f"{k}={qc[k]}" for k in ("quant_method", "version", "bits",
-                                                                          "head_bits", "codebook") if k in qc))
-    table.add_row("shards", f"{len(shards)} ({', '.join(shards)})")
-    table.add_row("tensors", str(len(reader.keys())))
-    table.add_row("quantized linears", f"{len(linears)} ({weights} weights)")
-    if weights:
-        avg_k = sum(i.K * i.numel for i in linears) / weights
-        with_scales = linear_bytes * 8 / weights
-        table.add_row("average bits per weight", f"{avg_k:.3f} (trellis), {with_scales:.3f} (with scales)")
-    table.add_row("total bytes", f"{reader.tensor_bytes} ({format_bytes(reader.tensor_bytes)})")
-    table.add_row("quantized linear bytes", f"{linear_bytes} ({format_bytes(linear_bytes)})")
-    table.add_row("other tensor bytes", format_bytes(reader.tensor_bytes - linear_bytes))
-    return table
+class Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are one line (and exit code 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def linears_table(reader: CheckpointReader) -> Table:
-    groups: dict = {}
-    for info in reader.linears():
-        groups.setdefault(split_layer(info.key), []).append(info)
-    table = Table(title="Quantized linears per layer and projection")
-    for name, justify in (("layer", "left"), ("projection", "left"), ("count", "right"), ("in x out", "right"),
-                          ("K", "left"), ("codebook", "left"), ("trellis bytes", "right")):
-        table.add_column(name, justify=justify, overflow="fold")
-    order = sorted(groups, key=lambda lp: (lp[0] == "-", natural_key(lp[0]), natural_key(lp[1])))
-    for layer, projection in order:
-        infos = groups[(layer, projection)]
-        shapes = summarise([f"{i.in_features}x{i.out_features}" for i in infos])
-        table.add_row(layer, projection, str(len(infos)), shapes, summarise([format_k(i.K) for i in infos]),
-                      summarise([i.codebook for i in infos]), str(sum(i.trellis_bytes for i in infos)))
-    return table
+def wrap(text: str) -> str:
+    return textwrap.fill(text, DEFAULT_WIDTH - 2)
 
 
-def k_histogram(ks: list) -> str:
-    """One line per K: the K, a bar scaled to the largest count, the count."""
-    counts = Counter(ks)
-    top = max(counts.values())
-    lines = []
-    for K in sorted(counts):
-        bar = "#" * max(1, round(BAR_WIDTH * counts[K] / top))
-        lines.append(f"K={format_k(K):<4} {bar} {counts[K]}")
-    return "\n".join(lines)
-
-
-def moe_table(reader: CheckpointReader) -> Table:
-    by_prefix: dict = {}
-    for info in reader.linears():
-        m = EXPERT_RE.match(info.key)
-        if m:
-            by_prefix.setdefault(m["prefix"], []).append((int(m["index"]), m["proj"], info))
-    table = Table(title="MoE layers: routed experts and expert widths (K)")
-    for name in ("prefix", "experts", "hidden", "intermediate", "projections", "shared expert",
-                 "K histogram (expert projections)"):
-        table.add_column(name, overflow="fold")
-    keys = [info.key for info in reader.linears()]
-    for prefix in reader.moe_layers():
-        members = by_prefix[prefix]
-        up = next(info for _, proj, info in members if proj in ("up_proj", "w3"))
-        shared = [name for name in SHARED_EXPERT_NAMES if any(k.startswith(f"{prefix}.{name}.") for k in keys)]
-        projections = ", ".join(sorted({proj for _, proj, _ in members}))
-        table.add_row(prefix, str(len({i for i, _, _ in members})), str(up.in_features), str(up.out_features),
-                      projections, ", ".join(shared) or "no", k_histogram([info.K for _, _, info in members]))
-    return table
-
-
-def inspect_checkpoint(reader: CheckpointReader, console: Console) -> None:
-    console.print(overview_table(reader))
-    console.print(linears_table(reader))
-    if reader.moe_layers():
-        console.print(moe_table(reader))
-    else:
-        console.print("no routed-expert (MoE) layers")
-
-
-def open_or_report(path) -> CheckpointReader | None:
-    """The checkpoint at path, or None after printing why it cannot be read."""
+def device_arg(text: str) -> torch.device:
     try:
-        return open_checkpoint(path)
-    except FormatError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return None
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device: use cuda, cuda:N or cpu") from None
+    if device.type not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"{text!r}: exl3moe runs on cuda (an NVIDIA GPU) or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: torch sees no CUDA GPU on this machine; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: this machine has {torch.cuda.device_count()} CUDA GPU(s)")
+    return device
+
+
+def int_arg(low: int, high: int):
+    """An argparse type: an int in [low, high]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} is outside {low}..{high}")
+        return value
+    return parse
+
+
+def default_device(device: torch.device | None) -> torch.device:
+    return device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def cmd_inspect(args) -> int:
-    reader = open_or_report(args.path)
-    if reader is None:
-        return 1
-    width = args.width or (None if sys.stdout.isatty() else 160)
-    inspect_checkpoint(reader, Console(width=width))
+    reader = open_checkpoint(args.path, strict=False)
+    inspect_checkpoint(reader, report_console(args.width))
+    if reader.problems:
+        first = reader.problems[0]
+        raise CliError(f"{len(reader.problems)} problem(s) listed above; the first: {first}")
     return 0
 
 
-def not_yet_implemented(name: str) -> int:
-    print(f"exl3moe {name}: not yet implemented", file=sys.stderr)
-    return 2
+def cmd_verify(args) -> int:
+    from .verify import verify_checkpoint
+    reader = open_checkpoint(args.path)   # an incomplete checkpoint stops here, before any work
+    return verify_checkpoint(reader, default_device(args.device), report_console(args.width)).exit_code
 
 
 def cmd_demo(args) -> int:
     from .demo import run_demo
-    return 0 if run_demo(args.device, args.tokens) < 2e-3 else 1
+    return 0 if run_demo(default_device(args.device), args.tokens, report_console(args.width)) < LIMIT else 1
 
 
-def cmd_verify(args) -> int:
-    from .demo import verify_checkpoint
-    reader = open_or_report(args.path)
-    if reader is None:
-        return 1
-    return 0 if verify_checkpoint(reader, args.device) < 2e-3 else 1
-
-
-def cmd_bench(args) -> int:
-    import torch
+def cmd_warmup(args) -> int:
+    from .backends import describe
+    from .kernels import nvrtc
+    from .warmup import checkpoint_specs, default_specs, nvrtc_problem, warm
+    problem = nvrtc_problem()
+    if problem:
+        raise CliError(problem)
     if not torch.cuda.is_available():
-        print("exl3moe bench: needs a CUDA GPU (the full benchmarks are bench/linear.py and bench/moe.py)",
-              file=sys.stderr)
-        return 2
-    from .timing import quick_linear_bench
-    quick_linear_bench(Console())
+        raise CliError("torch sees no CUDA GPU: warmup compiles the kernels this machine's GPU runs")
+    if nvrtc.cache_dir() is None:
+        raise CliError("EXL3MOE_CACHE_DIR is empty (no disk cache), so compiled kernels would not be kept")
+    device = default_device(args.device)
+    if not nvrtc.available(device):
+        raise CliError(f"nothing to compile: {describe(device)}")
+    specs = checkpoint_specs(open_checkpoint(args.path)) if args.path else default_specs()
+    console = report_console()
+    console.print(f"warmup {args.path or '(default layer set)'}: {describe(device)}; cache: {CACHE_DOC}")
+    warm(specs, device, console, args.workers)
     return 0
 
 
-def cmd_quantize(args) -> int:
-    return not_yet_implemented("quantize")
+def cmd_bench(args) -> int:
+    if not torch.cuda.is_available():
+        raise CliError("needs a CUDA GPU (the full benchmarks are bench/linear.py and bench/moe.py)")
+    from .backends import describe
+    from .timing import quick_linear_bench
+    console = Console()
+    console.print(f"kernels: {describe(torch.device('cuda'))}")
+    quick_linear_bench(console)
+    return 0
+
+
+def add_common(parser: argparse.ArgumentParser, device: bool = True) -> None:
+    if device:
+        parser.add_argument("--device", type=device_arg, default=None,
+                            help="cuda, cuda:N or cpu (default: cuda when torch sees a GPU, else cpu)")
+    parser.add_argument("--width", type=int_arg(40, 1000), default=None,
+                        help=f"output width in columns (default: the terminal's, {DEFAULT_WIDTH} when not a terminal)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="exl3moe", description="EXL3 linear and MoE layers: tools")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    inspect = sub.add_parser("inspect", help="describe an EXL3 checkpoint: layers, shapes, K, codebooks, sizes")
-    inspect.add_argument("path", help="checkpoint directory (config.json + *.safetensors)")
-    inspect.add_argument("--width", type=int, default=None,
-                         help="table width in columns (default: the terminal's, 160 when not a terminal)")
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = Parser(prog="exl3moe", description=wrap("EXL3 linear and MoE layers: check a checkpoint, run it on this "
+                                                     "machine's kernels against float64, compile its CUDA kernels "
+                                                     "ahead."),
+                    epilog=f"{EXIT_CODES}\n\n{ENVIRONMENT}", formatter_class=formatter)
+    parser.add_argument("--version", action="version", version=f"exl3moe {__version__}",
+                        help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="exl3moe COMMAND --help describes each")
+    path_help = "checkpoint directory (config.json, quantization_config.json and *.safetensors)"
+    inspect = sub.add_parser("inspect", help="describe an EXL3 checkpoint (layers, shapes, K, codebooks, sizes) and "
+                             "list what is missing or contradictory", epilog=EXIT_CODES, formatter_class=formatter)
+    inspect.add_argument("path", help=path_help)
+    add_common(inspect, device=False)
     inspect.set_defaults(func=cmd_inspect)
-    demo = sub.add_parser("demo", help="run a mixed-K MoE layer and a linear on this machine, check against float64")
-    demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    demo.add_argument("--tokens", type=int, default=9)
-    demo.set_defaults(func=cmd_demo)
-    verify = sub.add_parser("verify", help="run every layer of a checkpoint through the kernels, check vs float64")
-    verify.add_argument("path", help="checkpoint directory")
-    verify.add_argument("--device", default=None)
+    verify = sub.add_parser("verify", help="run every quantized linear and MoE layer of a checkpoint through this "
+                            "machine's kernels and check each against float64", epilog=EXIT_CODES,
+                            formatter_class=formatter,
+                            description=wrap("Each quantized linear runs on random fp16 rows and each MoE layer on "
+                                             "random fp16 tokens routed by its own router; each row's relative L2 "
+                                             "error against float64 evaluation of the same quantized weights must "
+                                             f"stay below {LIMIT:g}."))
+    verify.add_argument("path", help=path_help)
+    add_common(verify)
     verify.set_defaults(func=cmd_verify)
-    sub.add_parser("bench", help="quick linear timing on this GPU vs fp16 (full: bench/*.py)").set_defaults(
-        func=cmd_bench)
-    sub.add_parser("quantize", help="quantize weights to EXL3 (not available yet)").set_defaults(func=cmd_quantize)
+    demo = sub.add_parser("demo", help="run a mixed-K MoE layer and a linear on this machine, check against float64",
+                          epilog=EXIT_CODES, formatter_class=formatter)
+    add_common(demo)
+    demo.add_argument("--tokens", type=int_arg(1, MAX_TOKENS), default=9,
+                      help=f"tokens (rows) per call, 1..{MAX_TOKENS} (default 9)")
+    demo.set_defaults(func=cmd_demo)
+    warmup = sub.add_parser("warmup", help="compile the CUDA kernels a checkpoint needs (or a default set) into the "
+                            "disk cache, in parallel", formatter_class=formatter,
+                            epilog=f"{EXIT_CODES}\n\n{wrap('compiled kernels are kept in ' + CACHE_DOC)}",
+                            description=wrap(WARMUP_DESCRIPTION))
+    warmup.add_argument("path", nargs="?", default=None,
+                        help=f"{path_help}; without it, the default set described above")
+    warmup.add_argument("--device", type=device_arg, default=None, help="the GPU to compile for (default: cuda)")
+    warmup.add_argument("--workers", type=int_arg(1, 1024), default=None,
+                        help=f"compiler processes (default: every CPU core, {os.cpu_count()} here)")
+    warmup.set_defaults(func=cmd_warmup)
+    bench = sub.add_parser("bench", help="quick linear timing on this GPU against fp16 (full: bench/*.py)")
+    bench.set_defaults(func=cmd_bench)
     return parser
+
+
+WARMUP_DESCRIPTION = ("Plans every layer of the checkpoint (each linear for 1..256 rows, each MoE layer for 1..4096 "
+                      "tokens) on this GPU and compiles the CUDA C++ kernel variants those plans use with NVRTC, over "
+                      "several processes, so that no first call waits for the compiler. Without PATH: Qwen3-30B-A3B's "
+                      "layers and Llama-3-8B's linears at K = 2..6 with the mul1 codebook. Needs cuda-bindings "
+                      "(pip install 'exl3moe[cuda]') and a GPU.")
 
 
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:   # --help, --version, a usage error: argparse has printed its line
+        return exc.code if isinstance(exc.code, int) else 2
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (FormatError, ContractError, CliError, OSError) as err:
+        print(f"exl3moe {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"exl3moe {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

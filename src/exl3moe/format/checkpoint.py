@@ -1,6 +1,8 @@
 """EXL3 checkpoints (config.json + safetensors shards): validated at open from headers, tensors loaded lazily.
 
-Missing names a caller asks for raise KeyError; anything that breaks the format raises FormatError.
+Missing names a caller asks for raise KeyError; anything that breaks the format raises FormatError. Opening checks
+the checkpoint against itself (format/completeness.py): its manifest, its config's codebook, its architecture's
+linears; `strict=False` keeps what those checks found in `reader.problems` instead of raising the first.
 """
 
 from __future__ import annotations
@@ -13,14 +15,13 @@ from dataclasses import dataclass
 
 from ..errors import ContractError, FormatError
 from .bitstream import k_from_last_dim
+from .completeness import CONFIG_FILE, NOT_EXL3, QUANT_CONFIG_FILE, check_complete
 from .experts import ExpertSet
 from .hadamard import HAD
 from .safetensors_io import TensorEntry, read_bytes, read_header, read_tensor, tensor_nbytes, write_shard
 from .weight import MARKERS, EXL3Weight
 
-CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
-QUANT_CONFIG_FILE = "quantization_config.json"
 SINGLE_SHARD = "model.safetensors"
 DEFAULT_SHARD_BYTES = 8 << 30
 LINEAR_SUBKEYS = ("trellis", "suh", "su", "svh", "sv", "mcg", "mul1", "bias")
@@ -57,12 +58,16 @@ class LinearInfo:
         return self.stored_bytes * 8 / self.numel
 
 
+PASS_DIRECTORY = "pass the checkpoint directory (the folder holding config.json and the *.safetensors shards)"
+TRUNCATION_SIGNS = ("truncated", "runs past the end", "lie outside the", "file ended")
+
+
 def _load_json(path: str, name: str):
     try:
         with open(path, "rb") as f:
             return json.loads(f.read().decode("utf-8"))
     except FileNotFoundError:
-        raise FormatError(name, "missing from the checkpoint directory") from None
+        raise FormatError(name, f"missing from {os.path.dirname(path)}: {PASS_DIRECTORY}") from None
     except (OSError, ValueError, RecursionError) as err:
         raise FormatError(name, f"cannot be read as JSON: {err}") from None
 
@@ -72,8 +77,35 @@ def _read_config(path: str) -> dict:
     qc = config.get("quantization_config") if isinstance(config, dict) else None
     method = qc.get("quant_method") if isinstance(qc, dict) else None
     if method != "exl3":
-        raise FormatError(CONFIG_FILE, f"quantization_config.quant_method must be 'exl3', got {method!r}")
+        raise FormatError(CONFIG_FILE, f"quantization_config.quant_method must be 'exl3', got {method!r}: {NOT_EXL3}")
     return config
+
+
+def _read_manifest(path: str) -> dict | None:
+    """quantization_config.json's tensor_storage, or None when the checkpoint has none (no file, or no such key)."""
+    file = os.path.join(path, QUANT_CONFIG_FILE)
+    if not os.path.exists(file):
+        return None
+    manifest = _load_json(file, QUANT_CONFIG_FILE)
+    return manifest.get("tensor_storage") if isinstance(manifest, dict) else manifest
+
+
+def _shard_header(path: str) -> dict:
+    """read_header, with a hint where the file ends before its header says it should."""
+    try:
+        return read_header(path)
+    except FormatError as err:
+        if any(sign in err.rule for sign in TRUNCATION_SIGNS):
+            raise FormatError(err.name, f"{err.rule}: the file is truncated (or its header damaged); copy or "
+                                        "download it again") from None
+        raise
+
+
+def _check_directory(path: str) -> None:
+    if not os.path.exists(path):
+        raise FormatError(path, f"no such file or directory: {PASS_DIRECTORY}")
+    if not os.path.isdir(path):
+        raise FormatError(path, f"is a file, not a checkpoint directory: {PASS_DIRECTORY}")
 
 
 def _read_index(path: str) -> dict | None:
@@ -137,9 +169,8 @@ def _linear_info(key: str, entries: dict) -> LinearInfo:
 class CheckpointReader:
     """An opened EXL3 checkpoint directory: config, validated headers, lazily loaded tensors."""
 
-    def __init__(self, path: str):
-        if not os.path.isdir(path):
-            raise FormatError(str(path), "not a checkpoint directory")
+    def __init__(self, path: str, strict: bool = True):
+        _check_directory(path)
         self.path = str(path)
         self.config = _read_config(self.path)
         weight_map = _read_index(self.path)
@@ -151,7 +182,7 @@ class CheckpointReader:
             raise FormatError(self.path, "holds no *.safetensors shard")
         self._entries: dict = {}
         for shard in shards:
-            for key, entry in read_header(os.path.join(self.path, shard)).items():
+            for key, entry in _shard_header(os.path.join(self.path, shard)).items():
                 if key in self._entries:
                     raise FormatError(key, f"stored twice, in {self._entries[key].shard} and {shard}")
                 self._entries[key] = entry
@@ -160,6 +191,11 @@ class CheckpointReader:
                 raise FormatError(key, f"named in {INDEX_FILE} but missing from its shard {shard}")
         self._linears = {key: _linear_info(key, self._entries) for key in self._linear_keys()}
         self._check_marker_values()
+        self.problems = check_complete(self.config, self._entries, self._linears, _read_manifest(self.path))
+        if strict and self.problems:
+            first, more = self.problems[0], len(self.problems) - 1
+            extra = f" (and {more} more problem{'s' if more > 1 else ''}: exl3moe inspect lists them)" if more else ""
+            raise FormatError(first.name, first.rule + extra)
 
     def _linear_keys(self) -> list:
         """Module keys with a trellis, except quantized embeddings (trellis + signs, another ring format)."""
@@ -277,9 +313,11 @@ class CheckpointReader:
         return self._build_set([member], found, f"{prefix}.{member}", activation, limit, device)
 
 
-def open_checkpoint(path) -> CheckpointReader:
-    """Open an EXL3 checkpoint directory; reads config, index and shard headers only."""
-    return CheckpointReader(os.fspath(path))
+def open_checkpoint(path, strict: bool = True) -> CheckpointReader:
+    """Open an EXL3 checkpoint directory; reads config, manifest, index and shard headers (and 4 bytes per codebook
+    marker) only. The checkpoint must agree with itself (format/completeness.py): a missing, extra or contradictory
+    tensor is a FormatError naming it, unless strict=False, which lists them in `reader.problems` instead."""
+    return CheckpointReader(os.fspath(path), strict)
 
 
 def _module_key(key: str) -> str:
@@ -332,6 +370,8 @@ def _quantization_config(config: dict, linears: dict) -> dict:
     codebooks = {w.codebook for w in linears.values()}
     if len(codebooks) == 1:
         qc["codebook"] = codebooks.pop()
+    elif codebooks:
+        qc.pop("codebook", None)   # one codebook no longer describes every linear
     return qc
 
 

@@ -192,6 +192,14 @@ def extra_defines() -> dict:
     return dict(item.split("=", 1) for item in text.split(",") if item)
 
 
+def variant_entry(file: str, defines: tuple, device_index: int, prelude: str = "", arch_suffix: str = "") -> dict:
+    """What kernel() with these arguments compiles, as record_variant notes it: {file, defines (with
+    EXL3MOE_NVRTC_DEFINES), prelude, arch}; its cubin is cubin_path(prelude + source(file), defines, arch)."""
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return {"file": file, "defines": {**dict(defines), **extra_defines()}, "prelude": prelude,
+            "arch": f"sm_{major}{minor}{arch_suffix}"}
+
+
 @functools.lru_cache(maxsize=None)
 def kernel(file: str, name: str, defines: tuple, device_index: int, prelude: str = "", arch_suffix: str = ""):
     """The CUfunction `name` of kernels/cuda/`file` compiled with `defines` ((key, value), ...) and `prelude`
