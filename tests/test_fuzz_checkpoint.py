@@ -321,24 +321,19 @@ def test_mutated_config_is_refused_or_read_exactly(copy, data):
 
 
 def open_with_copy(copy, source: str, target: str):
-    """The fixture reopened with module `source`'s tensors also stored under the name `target`."""
+    """The fixture reopened, without the completeness check at open (a tool reading what is there), with module
+    `source`'s tensors also stored under the name `target`."""
     path, base = copy
     write_table(path, {**base, **{target + k[len(source):]: v for k, v in base.items() if k.startswith(source + ".")}})
-    return open_checkpoint(path)
+    return open_checkpoint(path, strict=False)
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint.py: CheckpointReader.experts keys members by int(index), so "
-                   "experts.3 and experts.03 collapse into one and one of them is dropped silently "
-                   "(FormatError wanted)")
 def test_two_modules_for_one_expert_index_are_refused(copy):
     reader = open_with_copy(copy, f"{LAYER}.experts.5", f"{LAYER}.experts.03")
     with pytest.raises(FormatError):
         reader.experts(LAYER)
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint.py: CheckpointReader.experts builds set(range(max index + 1)) "
-                   "to find gaps, so one expert named 300000 allocates ~35 MB before refusing (a 2^40 index: all "
-                   "memory); count the experts against the largest index first")
 def test_huge_expert_index_is_refused_without_allocating(copy):
     reader = open_with_copy(copy, f"{LAYER}.experts.5", f"{LAYER}.experts.300000")
     tracemalloc.start()
@@ -350,10 +345,6 @@ def test_huge_expert_index_is_refused_without_allocating(copy):
         tracemalloc.stop()
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint.py: natural_key calls int() on str.isdigit() runs, which raises "
-                   "ValueError for a digit run past Python's 4300-digit limit or a non-decimal digit such as U+00B2 "
-                   "after a decimal one ('blk.1\u00b2'); sort keys with an int() that cannot fail (re [0-9]+ and a "
-                   "length bound)")
 @pytest.mark.parametrize("name", ["blk." + "9" * 5000, "blk.1\u00b2"], ids=["5000-digits", "superscript"])
 def test_odd_digit_names_are_read_or_refused(copy, name):
     base = copy[1]

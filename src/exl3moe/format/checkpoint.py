@@ -32,8 +32,9 @@ EXPERT_RE = re.compile(rf"^(?P<prefix>.+)\.experts\.(?P<index>\d+)\.(?P<proj>{_P
 
 
 def natural_key(key: str) -> list:
-    """Sort key that orders layers.2 before layers.10."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", key)]
+    """Sort key that orders layers.2 before layers.10 (ASCII digit runs compare by length, then by text)."""
+    return [(len(part.lstrip("0")), part.lstrip("0"), part) if i % 2 else part
+            for i, part in enumerate(re.split(r"([0-9]+)", key))]
 
 
 @dataclass(frozen=True)
@@ -290,13 +291,15 @@ class CheckpointReader:
         """Routed experts `<prefix>.experts.<i>.<proj>` (gate_proj/up_proj/down_proj or w1/w3/w2)."""
         where = f"{prefix}.experts"
         group_re = re.compile(rf"^{re.escape(where)}\.(?P<member>\d+)\.(?P<proj>{_PROJ})$")
-        found = {int(i): roles for i, roles in self._projection_keys(group_re, where).items()}
+        found = self._projection_keys(group_re, where)
         if not found:
             raise KeyError(f"{prefix}: no routed experts in {self.path}")
-        missing = sorted(set(range(max(found) + 1)) - set(found))
-        if missing:
-            raise FormatError(f"{where}.{missing[0]}", f"missing: experts are numbered 0..{max(found)}")
-        found = {str(i): roles for i, roles in found.items()}
+        for member in found:
+            if not re.fullmatch(r"0|[1-9][0-9]*", member):
+                raise FormatError(f"{where}.{member}", "expert index is not a plain decimal number 0, 1, 2, ...")
+        for index in range(len(found)):
+            if str(index) not in found:
+                raise FormatError(f"{where}.{index}", f"missing: {len(found)} experts are numbered 0..{len(found) - 1}")
         return self._build_set([str(i) for i in range(len(found))], found, where, activation, limit, device)
 
     def shared_expert(self, prefix: str, activation: str = "silu", limit: float | None = None,
