@@ -71,9 +71,9 @@ def dense_model(path, dtype: torch.dtype = torch.float32, device="cpu",
     model = meta_model(path, dtype, attn_implementation)
     plan: LoadPlan = plan_load(model, reader, reader.config["model_type"])
     load_plain_tensors(model, plan, device)
-    rebuild_computed_buffers(model, device)
     for name, key in plan.linears.items():
         _fill_linear(model.get_submodule(name), reader, key, device)
     for name, prefix in plan.moe_blocks.items():
         _fill_moe(model.get_submodule(name), reader, prefix, device)
+    rebuild_computed_buffers(model, device)
     return model.eval().requires_grad_(False)

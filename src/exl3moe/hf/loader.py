@@ -111,8 +111,8 @@ def from_pretrained(path, device=None, dtype: torch.dtype = torch.float16,
     model = meta_model(path, dtype, attn_implementation)
     plan = plan_load(model, reader, reader.config["model_type"])
     load_plain_tensors(model, plan, device)
-    rebuild_computed_buffers(model, device)
     replace_quantized(model, plan, device, max_batch_tokens)
+    rebuild_computed_buffers(model, device)
     check_materialised(model)
     finish(model, path, device, cuda_graphs)
     return model
