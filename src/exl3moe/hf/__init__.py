@@ -4,6 +4,11 @@
 so `transformers.AutoModelForCausalLM.from_pretrained(path)` loads EXL3 checkpoints the same way.
 """
 
+from .dense import dense_model
+from .graphs import install_decode_graphs
 from .loader import from_pretrained
+from .quantizer import Exl3Config, Exl3HfQuantizer, register
 
-__all__ = ["from_pretrained"]
+register()
+
+__all__ = ["Exl3Config", "Exl3HfQuantizer", "dense_model", "from_pretrained", "install_decode_graphs"]

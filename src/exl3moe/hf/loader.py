@@ -130,3 +130,5 @@ def finish(model: nn.Module, path: str, device: torch.device, cuda_graphs: bool)
         from .graphs import install_decode_graphs
 
         install_decode_graphs(model)
+    else:
+        model.generation_config.disable_compile = True   # torch.compile cannot trace the kernels' launchers

@@ -1,0 +1,115 @@
+"""CUDA-graph decode for transformers' generate(): the one-token steps of a static cache replay captured graphs.
+
+generate() asks the model for a compiled forward (`get_compiled_call`) when the cache is compileable (a static
+cache) on a GPU; exl3moe's kernels are launched from Python, so instead of torch.compile the model answers
+with DecodeGraphs: the first step of each (batch, input layout, cache) runs eagerly and is then captured, and
+every later step copies its inputs into the captured buffers and replays. Nothing in a step syncs with the host:
+the static cache advances its own device-side length, and generate() builds the 4-D attention mask outside.
+Other calls (prefill, dynamic caches, CPU tensors) run the model eagerly.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+CACHE_KEYS = ("cache", "past_key_values")
+MAX_GRAPHS = 8
+
+
+def _cache_of(kwargs: dict):
+    return next((kwargs[k] for k in CACHE_KEYS if kwargs.get(k) is not None), None)
+
+
+def _cache_key(cache) -> tuple:
+    """Identity of a cache and of the tensors its layers hold (a reset cache keeps them; a new one does not)."""
+    tensors = [getattr(layer, name, None) for layer in getattr(cache, "layers", ()) for name in ("keys", "values")]
+    return (id(cache),) + tuple(t.data_ptr() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def capturable(kwargs: dict) -> bool:
+    """A one-token step on CUDA with a static (compileable, not dynamic) cache and no embeddings passed."""
+    ids = kwargs.get("input_ids")
+    cache = _cache_of(kwargs)
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1 or not ids.is_cuda:
+        return False
+    if cache is None or not getattr(cache, "is_compileable", False) or type(cache).__name__ == "DynamicCache":
+        return False
+    if torch.cuda.is_current_stream_capturing():
+        return False
+    return all(v.is_cuda for v in kwargs.values() if isinstance(v, torch.Tensor))
+
+
+def _step_key(kwargs: dict) -> tuple:
+    parts = []
+    for name in sorted(kwargs):
+        value = kwargs[name]
+        if name in CACHE_KEYS and value is not None:
+            parts.append((name, _cache_key(value)))
+        elif isinstance(value, torch.Tensor):
+            parts.append((name, tuple(value.shape), value.dtype, value.stride(), value.device))
+        else:
+            parts.append((name, repr(value)))
+    return tuple(parts)
+
+
+class _Captured:
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, output):
+        self.graph, self.inputs, self.output = graph, inputs, output
+
+    def replay(self, kwargs: dict):
+        for name, buffer in self.inputs.items():
+            buffer.copy_(kwargs[name])
+        self.graph.replay()
+        return type(self.output)(**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.output.items()})
+
+
+class DecodeGraphs:
+    """Callable like the model; replays captured decode steps (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, max_graphs: int = MAX_GRAPHS):
+        self.model = model
+        self.max_graphs = max_graphs
+        self.graphs: OrderedDict = OrderedDict()
+        self.pool = None
+        self.replays = 0
+
+    def __call__(self, *args, **kwargs):
+        if args or not capturable(kwargs):
+            return self.model(*args, **kwargs)
+        key = _step_key(kwargs)
+        captured = self.graphs.get(key)
+        if captured is not None:
+            self.graphs.move_to_end(key)
+            self.replays += 1
+            return captured.replay(kwargs)
+        return self._run_and_capture(key, kwargs)
+
+    def _run_and_capture(self, key: tuple, kwargs: dict):
+        """Run this step eagerly (its result is returned), then capture the same step on copies of its inputs."""
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            result = self.model(**kwargs)
+        current.wait_stream(side)
+        inputs = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = self.model(**{**kwargs, **inputs})
+        self.graphs[key] = _Captured(graph, inputs, output)
+        while len(self.graphs) > self.max_graphs:
+            self.graphs.popitem(last=False)
+        return result
+
+
+def install_decode_graphs(model: nn.Module) -> DecodeGraphs:
+    """Make generate() with a static cache on CUDA decode through DecodeGraphs (model.decode_graphs)."""
+    runner = DecodeGraphs(model)
+    model.decode_graphs = runner
+    model.get_compiled_call = lambda compile_config=None: runner
+    return runner
