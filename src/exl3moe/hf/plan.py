@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ..errors import FormatError
-from ..format.checkpoint import EXPERT_RE, PROJECTIONS, CheckpointReader
+from ..format.checkpoint import EXPERT_RE, CheckpointReader
+from ..ops.router import NUM_EXPERTS_KEYS
 from .architectures import SHARED_EXPERT_CHILDREN, SHARED_GATE_CHILD, candidate_keys, is_moe_block
 
 PLAIN_DTYPES = ("F16", "BF16", "F32")
@@ -96,10 +97,21 @@ class _Planner:
             for role, (k, n) in (("gate", (H, inter)), ("up", (H, inter)), ("down", (inter, H))):
                 self.linear(self.role_key(base, role, f"expert {e} of {name}"), k, n, False, f"{name} expert {e} {role}")
         self.entry(f"{prefix}.gate.weight", (E, H), f"the router of {name}")
+        self.router_config(E)
         if getattr(block.gate, "e_score_correction_bias", None) is not None:
             self.entry(f"{prefix}.gate.e_score_correction_bias", (E,), f"the router correction bias of {name}")
         self.shared_expert(name, block, prefix, H)
         return prefix
+
+    def router_config(self, E: int) -> None:
+        """config.json's expert count and top-k against the E experts stored (the Router checks the rest)."""
+        config = self.reader.config
+        for key in NUM_EXPERTS_KEYS:
+            if key in config and config[key] != E:
+                raise FormatError(f"config.json:{key}", f"is {config[key]!r}, the checkpoint stores {E} experts per layer")
+        top_k = config.get("num_experts_per_tok")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
+            raise FormatError("config.json:num_experts_per_tok", f"must be an int in [1, {E}], got {top_k!r}")
 
     def shared_expert(self, name: str, block: nn.Module, prefix: str, H: int) -> None:
         children = [c for c in SHARED_EXPERT_CHILDREN if getattr(block, c, None) is not None]
