@@ -16,6 +16,7 @@ import exl3moe.hf as hf  # noqa: E402
 from exl3moe import FormatError  # noqa: E402
 from exl3moe.format.checkpoint import CheckpointReader  # noqa: E402
 from exl3moe.ops.modules import EXL3Linear  # noqa: E402
+from exl3moe.hf.moe_dispatch import EXL3MoEByTokens  # noqa: E402
 from exl3moe.ops.moe_module import EXL3MoE  # noqa: E402
 
 CHECKPOINT = "tiny_qwen3_moe_exl3"
@@ -64,13 +65,15 @@ def test_modules_replaced_and_tensors_loaded(path):
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert isinstance(getattr(layer.self_attn, proj), EXL3Linear)
     assert isinstance(model.lm_head, EXL3Linear) and model.lm_head.weight.K == 6
-    assert isinstance(layer.mlp, EXL3MoE) and layer.mlp.max_tokens == 48 and layer.mlp.router.top_k == 4
+    assert isinstance(layer.mlp, EXL3MoEByTokens) and layer.mlp.prefill is None
+    assert isinstance(layer.mlp.decode, EXL3MoE) and layer.mlp.decode.max_tokens == 48
+    assert layer.mlp.decode.router.top_k == 4
     assert model.lm_head.max_rows == 48
     assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
     stored = load_file(os.path.join(path, "model.safetensors"))
     assert torch.equal(model.model.embed_tokens.weight, stored["model.embed_tokens.weight"].half())
     assert torch.equal(layer.self_attn.k_norm.weight, stored["model.layers.1.self_attn.k_norm.weight"].half())
-    assert torch.equal(layer.mlp.router.weight, stored["model.layers.1.mlp.gate.weight"].float())
+    assert torch.equal(layer.mlp.decode.router.weight, stored["model.layers.1.mlp.gate.weight"].float())
     assert model.generation_config.eos_token_id == json.load(open(os.path.join(path, "generation_config.json")))[
         "eos_token_id"]
     assert not model.training
@@ -88,6 +91,21 @@ def test_logits_and_greedy_tokens_match_dense_float32(path, dense, greedy):
     assert torch.equal(predicted, greedy[0, PROMPT_TOKENS:])
 
 
+def test_decode_and_large_calls_plan_apart_over_one_set_of_weights(path, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = hf.from_pretrained(path, device="cpu", max_batch_tokens=40, decode_tokens=4)
+    block = model.model.layers[0].mlp
+    assert (block.decode.max_tokens, block.prefill.max_tokens) == (4, 40)
+    assert block.prefill.experts is block.decode.experts and block.prefill.router is block.decode.router
+    hidden = torch.randn(2, 3, 256, dtype=torch.float16)
+    with torch.no_grad():
+        for tokens in (3, 6):
+            chosen = block.decode if tokens <= 4 else block.prefill
+            x = hidden.reshape(-1, 256)[:tokens]
+            assert torch.equal(block(x), chosen(x))
+    assert block.decode.max_tokens == 4 and block.prefill.max_tokens == 40   # neither re-planned
+
+
 @pytest.mark.parametrize("cache", [None, "static"])
 def test_generate_matches_dense_greedy(path, greedy, cache, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -103,7 +121,7 @@ def test_automodel_from_pretrained_is_the_same_model(path, monkeypatch):
     auto = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16)
     ours = hf.from_pretrained(path, device="cpu")
     assert isinstance(auto.config.quantization_config, hf.Exl3Config)
-    assert isinstance(auto.model.layers[0].mlp, EXL3MoE) and isinstance(auto.lm_head, EXL3Linear)
+    assert isinstance(auto.model.layers[0].mlp, EXL3MoEByTokens) and isinstance(auto.lm_head, EXL3Linear)
     assert sorted(auto.state_dict()) == sorted(ours.state_dict())
     ids = torch.arange(5, 5 + PROMPT_TOKENS).view(1, -1)
     with torch.no_grad():
@@ -198,3 +216,5 @@ def test_load_arguments_refused(path):
         hf.from_pretrained(path, device="cpu", dtype=torch.float32)
     with pytest.raises(ValueError, match="max_batch_tokens"):
         hf.from_pretrained(path, device="cpu", max_batch_tokens=0)
+    with pytest.raises(ValueError, match="decode_tokens"):
+        hf.from_pretrained(path, device="cpu", decode_tokens=True)

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers")
 import exl3moe.hf as hf  # noqa: E402
 from exl3moe import FormatError  # noqa: E402
 from exl3moe.format.checkpoint import open_checkpoint  # noqa: E402
+from exl3moe.hf.moe_dispatch import EXL3MoEByTokens  # noqa: E402
 from exl3moe.hf.synthetic import write_synthetic_checkpoint  # noqa: E402
 from exl3moe.ops.modules import EXL3Linear  # noqa: E402
 from exl3moe.ops.moe_module import EXL3MoE  # noqa: E402
@@ -64,10 +65,10 @@ def test_architecture_logits_match_dense(checkpoints, model_type):
     path = checkpoints[model_type]
     model = hf.from_pretrained(path, device="cpu")
     dense = hf.dense_model(path, torch.float32)
-    moe = [m for m in model.modules() if isinstance(m, EXL3MoE)]
+    moe = [m for m in model.modules() if isinstance(m, EXL3MoEByTokens)]
     layers, shared = MOE_LAYERS[model_type]
     assert len(moe) == layers
-    assert all(f"shared={shared}" in m.extra_repr() for m in moe)
+    assert all(isinstance(m.decode, EXL3MoE) and f"shared={shared}" in m.decode.extra_repr() for m in moe)
     assert isinstance(model.lm_head, EXL3Linear)
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     ids = torch.randint(0, COMMON["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(1))
@@ -84,7 +85,7 @@ def test_mixtral_original_names(checkpoints):
 
 
 def test_glm4_router_rule(checkpoints):
-    router = hf.from_pretrained(checkpoints["glm4_moe"], device="cpu").model.layers[1].mlp.router
+    router = hf.from_pretrained(checkpoints["glm4_moe"], device="cpu").model.layers[1].mlp.decode.router
     assert (router.kind, router.n_group, router.topk_group, router.routed_scaling_factor) == ("sigmoid", 2, 1, 2.5)
     assert router.correction_bias is not None
 

@@ -2,7 +2,8 @@
 
 The model is built from config.json on the meta device (no weights initialised), checked against the
 checkpoint's headers (plan.py), then its quantized linears become EXL3Linear and its routed-expert blocks
-EXL3MoE, and every other tensor is read from the safetensors into the model's own parameters.
+EXL3MoE (a decode plan and a large-call plan over one set of weights: moe_dispatch.py), and every other tensor
+is read from the safetensors into the model's own parameters.
 """
 
 from __future__ import annotations
@@ -15,19 +16,21 @@ from torch import nn
 from ..errors import ContractError
 from ..format.checkpoint import CheckpointReader, open_checkpoint
 from ..ops.modules import EXL3Linear
-from ..ops.moe_module import EXL3MoE
 from .architectures import check_supported
+from .moe_dispatch import EXL3MoEByTokens
 from .plan import LoadPlan, plan_load
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16)
 DEFAULT_MAX_BATCH_TOKENS = 512
+DEFAULT_DECODE_TOKENS = 64   # decode steps of batch 1 to 64 share one MoE plan
 
 
-def check_load_args(dtype, max_batch_tokens) -> None:
+def check_load_args(dtype, max_batch_tokens, decode_tokens) -> None:
     if dtype not in ACTIVATION_DTYPES:
         raise ContractError("dtype", f"must be torch.float16 or torch.bfloat16 (EXL3 activations), got {dtype}")
-    if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
-        raise ContractError("max_batch_tokens", f"must be a positive int, got {max_batch_tokens!r}")
+    for name, value in (("max_batch_tokens", max_batch_tokens), ("decode_tokens", decode_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ContractError(name, f"must be a positive int, got {value!r}")
 
 
 def meta_model(path: str, dtype: torch.dtype, attn_implementation: str = "sdpa") -> nn.Module:
@@ -76,11 +79,13 @@ def rebuild_computed_buffers(model: nn.Module, device: torch.device) -> None:
             module._buffers[b] = fresh._buffers[b]
 
 
-def replace_quantized(model: nn.Module, plan: LoadPlan, device: torch.device, max_batch_tokens: int) -> None:
+def replace_quantized(model: nn.Module, plan: LoadPlan, device: torch.device, max_batch_tokens: int,
+                      decode_tokens: int = DEFAULT_DECODE_TOKENS) -> None:
     for name, key in plan.linears.items():
         set_module(model, name, EXL3Linear.from_checkpoint(plan.reader, key, device, max_rows=max_batch_tokens))
     for name, prefix in plan.moe_blocks.items():
-        set_module(model, name, EXL3MoE.from_checkpoint(plan.reader, prefix, device, max_tokens=max_batch_tokens))
+        block = EXL3MoEByTokens.from_checkpoint(plan.reader, prefix, device, decode_tokens, max_batch_tokens)
+        set_module(model, name, block)
 
 
 def check_materialised(model: nn.Module) -> None:
@@ -97,21 +102,22 @@ def open_supported(path) -> CheckpointReader:
 
 def from_pretrained(path, device=None, dtype: torch.dtype = torch.float16,
                     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, attn_implementation: str = "sdpa",
-                    cuda_graphs: bool = True) -> nn.Module:
+                    cuda_graphs: bool = True, decode_tokens: int = DEFAULT_DECODE_TOKENS) -> nn.Module:
     """The transformers PreTrainedModel of the EXL3 checkpoint in `path` on exl3moe's kernels.
 
     device: default cuda when available, else cpu. dtype: activations, float16 or bfloat16. max_batch_tokens:
-    rows the EXL3 modules plan for (larger calls re-plan and allocate). cuda_graphs: on CUDA, generate() with a
-    static cache replays the decode step from captured CUDA graphs (graphs.py).
+    rows the EXL3 modules plan for (larger calls re-plan and allocate). decode_tokens: MoE calls of up to this many
+    tokens use a plan of their own (moe_dispatch.py). cuda_graphs: on CUDA, generate() with a static cache replays
+    the decode step from captured CUDA graphs (graphs.py).
     """
     path = os.fspath(path)
-    check_load_args(dtype, max_batch_tokens)
+    check_load_args(dtype, max_batch_tokens, decode_tokens)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     reader = open_supported(path)
     model = meta_model(path, dtype, attn_implementation)
     plan = plan_load(model, reader, reader.config["model_type"])
     load_plain_tensors(model, plan, device)
-    replace_quantized(model, plan, device, max_batch_tokens)
+    replace_quantized(model, plan, device, max_batch_tokens, decode_tokens)
     rebuild_computed_buffers(model, device)
     check_materialised(model)
     finish(model, path, device, cuda_graphs)
