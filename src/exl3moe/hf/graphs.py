@@ -2,8 +2,9 @@
 
 generate() asks the model for a compiled forward (`get_compiled_call`) when the cache is compileable (a static
 cache) on a GPU; exl3moe's kernels are launched from Python, so instead of torch.compile the model answers
-with DecodeGraphs: the first step of each (batch, input layout, cache) runs eagerly and is then captured, and
-every later step copies its inputs into the captured buffers and replays. Nothing in a step syncs with the host:
+with DecodeGraphs: the first step of each (batch, input layout) runs eagerly and is then captured, and every
+later step copies its inputs into the captured buffers and replays. A graph writes the cache it was captured
+with, so a new cache (generate() makes one per call) is captured again, replacing the graph of the old one. Nothing in a step syncs with the host:
 the static cache advances its own device-side length, and generate() builds the 4-D attention mask outside.
 Other calls (prefill, dynamic caches, CPU tensors) run the model eagerly.
 """
@@ -43,21 +44,29 @@ def capturable(kwargs: dict) -> bool:
 
 
 def _step_key(kwargs: dict) -> tuple:
-    parts = []
+    """(layout of the call, identity of its cache): one graph per layout, captured again for a new cache."""
+    parts, cache = [], None
     for name in sorted(kwargs):
         value = kwargs[name]
         if name in CACHE_KEYS and value is not None:
-            parts.append((name, _cache_key(value)))
+            cache = _cache_key(value)
         elif isinstance(value, torch.Tensor):
             parts.append((name, tuple(value.shape), value.dtype, value.stride(), value.device))
         else:
             parts.append((name, repr(value)))
-    return tuple(parts)
+    return tuple(parts), cache
 
 
 class _Captured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, output):
+    """A captured step: its graph, the input buffers it reads, its output, and the call that was captured."""
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, output, model: nn.Module, kwargs: dict, cache_key):
         self.graph, self.inputs, self.output = graph, inputs, output
+        self.model, self.kwargs, self.cache_key = model, kwargs, cache_key
+
+    def run_eagerly(self):
+        """The captured step run without the graph, on the captured inputs (advances the cache like a replay)."""
+        return self.model(**self.kwargs)
 
     def replay(self, kwargs: dict):
         for name, buffer in self.inputs.items():
@@ -74,20 +83,22 @@ class DecodeGraphs:
         self.max_graphs = max_graphs
         self.graphs: OrderedDict = OrderedDict()
         self.pool = None
-        self.replays = 0
+        self.replays = self.captures = 0
+        self.enabled = True
 
     def __call__(self, *args, **kwargs):
-        if args or not capturable(kwargs):
+        if args or not self.enabled or not capturable(kwargs):
             return self.model(*args, **kwargs)
-        key = _step_key(kwargs)
-        captured = self.graphs.get(key)
-        if captured is not None:
-            self.graphs.move_to_end(key)
+        layout, cache_key = _step_key(kwargs)
+        captured = self.graphs.pop(layout, None)
+        if captured is not None and captured.cache_key == cache_key:
+            self.graphs[layout] = captured
             self.replays += 1
             return captured.replay(kwargs)
-        return self._run_and_capture(key, kwargs)
+        del captured          # a graph of an older cache of this layout: its memory and its cache go now
+        return self._run_and_capture(layout, cache_key, kwargs)
 
-    def _run_and_capture(self, key: tuple, kwargs: dict):
+    def _run_and_capture(self, layout: tuple, cache_key: tuple, kwargs: dict):
         """Run this step eagerly (its result is returned), then capture the same step on copies of its inputs."""
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
@@ -101,7 +112,8 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             output = self.model(**{**kwargs, **inputs})
-        self.graphs[key] = _Captured(graph, inputs, output)
+        self.graphs[layout] = _Captured(graph, inputs, output, self.model, {**kwargs, **inputs}, cache_key)
+        self.captures += 1
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
         return result
