@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 import exl3moe.hf as hf  # noqa: E402
 from exl3moe import FormatError  # noqa: E402
 from exl3moe.format.checkpoint import CheckpointReader  # noqa: E402
+from exl3moe.hf import graphs  # noqa: E402
 from exl3moe.ops.modules import EXL3Linear  # noqa: E402
 from exl3moe.hf.moe_dispatch import EXL3MoEByTokens  # noqa: E402
 from exl3moe.ops.moe_module import EXL3MoE  # noqa: E402
@@ -218,3 +219,43 @@ def test_load_arguments_refused(path):
         hf.from_pretrained(path, device="cpu", max_batch_tokens=0)
     with pytest.raises(ValueError, match="decode_tokens"):
         hf.from_pretrained(path, device="cpu", decode_tokens=True)
+
+
+def test_decode_graphs_hook_and_step_layout(path, greedy, monkeypatch):
+    """generate() with a static cache asks get_compiled_call for the decode forward; DecodeGraphs gets every
+    one-token step with one layout and one cache (so one graph would serve them) and runs CPU steps eagerly."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    model = hf.from_pretrained(path, device="cpu")
+    assert model.generation_config.disable_compile          # no torch.compile of the kernels' launchers
+    runner = hf.install_decode_graphs(model)
+    keys = []
+
+    def spy(**kwargs):
+        keys.append((graphs.step_key(kwargs), graphs.capturable(kwargs), kwargs["input_ids"].shape))
+        return runner(**kwargs)
+    model.get_compiled_call = lambda compile_config=None: spy
+    model.generation_config.disable_compile = False
+    compile_config = transformers.CompileConfig()
+    compile_config._compile_all_devices = True               # the CPU stands in for the GPU here
+    with torch.no_grad():
+        out = model.generate(greedy[:, :PROMPT_TOKENS], max_new_tokens=NEW_TOKENS, do_sample=False,
+                             cache_implementation="static", compile_config=compile_config)
+    assert torch.equal(out, greedy)
+    assert len(keys) == NEW_TOKENS - 1 and all(shape == (1, 1) for _, _, shape in keys)
+    assert len({key for key, _, _ in keys}) == 1 and not any(ok for _, ok, _ in keys)
+    assert (runner.captures, runner.replays) == (0, 0)
+
+
+def test_step_tensors_inside_mask_dicts():
+    mask = torch.zeros(2, 1, 1, 8, dtype=torch.bool)
+    kwargs = {"input_ids": torch.ones(2, 1, dtype=torch.long), "attention_mask": {"full_attention": mask},
+              "use_cache": True}
+    found = graphs.step_tensors(kwargs)
+    assert set(found) == {("input_ids",), ("attention_mask", "full_attention")}
+    fresh = {path: t.clone() for path, t in found.items()}
+    rebuilt = graphs.with_tensors(kwargs, fresh)
+    assert rebuilt["attention_mask"]["full_attention"] is fresh[("attention_mask", "full_attention")]
+    assert kwargs["attention_mask"]["full_attention"] is mask                # the caller's dict is left alone
+    other = {**kwargs, "attention_mask": {"full_attention": torch.ones_like(mask)}}
+    assert graphs.step_key(other) == graphs.step_key(kwargs)               # values are not part of the layout
+    assert graphs.step_key({**kwargs, "input_ids": torch.ones(3, 1, dtype=torch.long)}) != graphs.step_key(kwargs)

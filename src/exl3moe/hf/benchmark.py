@@ -77,37 +77,51 @@ def _generate(model, prompt: torch.Tensor, new_tokens: int):
 @torch.no_grad()
 def decode_rate(model, batch: int, context: int, steps: int, vocab: int, repeats: int = 3) -> dict:
     prompt = _tokens(vocab, batch, context, seed=batch)
-    _generate(model, prompt, WARMUP_TOKENS + steps)     # captures the decode graphs, allocates the cache
+    graphs = getattr(model, "decode_graphs", None)
+    _generate(model, prompt, WARMUP_TOKENS + steps)     # compiles, sizes the static cache's length
+    replays = graphs.replays if graphs is not None else 0
     short = _seconds(lambda: _generate(model, prompt, WARMUP_TOKENS), repeats)
     long = _seconds(lambda: _generate(model, prompt, WARMUP_TOKENS + steps), repeats)
     step = (long - short) / steps
-    graphs = getattr(model, "decode_graphs", None)
-    return {"batch": batch, "context": context, "step_ms": step * 1e3, "tokens_per_s": batch / step,
-            "cuda_graphs": bool(graphs is not None and graphs.replays > 0)}
+    result = {"batch": batch, "context": context, "step_ms": step * 1e3, "tokens_per_s": batch / step,
+              "cuda_graphs": bool(graphs is not None and graphs.replays > replays)}
+    if graphs is not None and graphs.failed:
+        result["graph_failures"] = sorted(set(graphs.failed.values()))[:2]
+    return result
 
 
-@torch.no_grad()
-def decode_kernel_share(model, step_ms: float, steps: int = 3) -> dict | None:
-    """Kernel times of the last captured decode step, run eagerly under the profiler; None without graphs."""
-    graphs = getattr(model, "decode_graphs", None)
-    if graphs is None or not graphs.graphs:
-        return None
-    captured = next(reversed(graphs.graphs.values()))
-    captured.run_eagerly()
-    activities = [torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(steps):
-            captured.run_eagerly()
+def _kernel_ms(fn) -> tuple:
+    """(exl3moe kernels, other kernels) device milliseconds of one call of fn, from the profiler."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
         torch.cuda.synchronize()
     ours = other = 0.0
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            us = event.device_time if hasattr(event, "device_time") else event.cuda_time
+            us = getattr(event, "device_time", None)
+            us = event.cuda_time if us is None else us
             if is_exl3moe_kernel(event.name):
                 ours += us
             else:
                 other += us
-    ours, other = ours / steps / 1e3, other / steps / 1e3
+    return ours / 1e3, other / 1e3
+
+
+@torch.no_grad()
+def decode_kernel_share(model, batch: int, context: int, steps: int, vocab: int, step_ms: float) -> dict:
+    """Kernel time of one decode step: generate() of N + steps tokens minus N tokens, eager steps (a graph's
+    kernels are the captured ones), under the profiler."""
+    prompt = _tokens(vocab, batch, context, seed=batch)
+    graphs = getattr(model, "decode_graphs", None)
+    if graphs is not None:
+        graphs.enabled = False
+    try:
+        short = _kernel_ms(lambda: _generate(model, prompt, WARMUP_TOKENS))
+        long = _kernel_ms(lambda: _generate(model, prompt, WARMUP_TOKENS + steps))
+    finally:
+        if graphs is not None:
+            graphs.enabled = True
+    ours, other = ((b - a) / steps for a, b in zip(short, long))
     return {"exl3moe_kernels_ms": ours, "other_kernels_ms": other, "step_ms": step_ms,
             "exl3moe_share_of_step": ours / step_ms, "step_over_kernel_sum": step_ms / max(ours + other, 1e-9)}
 
@@ -120,7 +134,7 @@ def measure(model, vocab: int, prefill=(512, 2048), batches=(1, 8, 32), context:
     out = {"prefill": [prefill_rate(model, n, vocab) for n in prefill], "decode": []}
     for batch in batches:
         result = decode_rate(model, batch, context, steps, vocab)
-        result["profile"] = decode_kernel_share(model, result["step_ms"])
+        result["profile"] = decode_kernel_share(model, batch, context, min(steps, 8), vocab, result["step_ms"])
         out["decode"].append(result)
     out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     return out

@@ -19,7 +19,7 @@ from .plan import ROLE_NAMES, LoadPlan, plan_load
 
 def _dense(reader, key: str, dtype: torch.dtype, device) -> torch.Tensor:
     """[out, in] weight of the quantized linear `key` (nn.Linear layout)."""
-    return dense_weight(reader.linear(key), torch.float32).t().to(device=device, dtype=dtype).contiguous()
+    return dense_weight(reader.linear(key, device), torch.float32).t().to(dtype=dtype).contiguous()
 
 
 def _role_key(reader, base: str, role: str) -> str:

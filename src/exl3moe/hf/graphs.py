@@ -30,6 +30,28 @@ def _cache_key(cache) -> tuple:
     return (id(cache),) + tuple(t.data_ptr() for t in tensors if isinstance(t, torch.Tensor))
 
 
+def step_tensors(kwargs: dict) -> dict:
+    """{(name,) or (name, key): tensor} for every tensor argument, inside dicts too (masks keyed by layer type)."""
+    found = {}
+    for name, value in kwargs.items():
+        if isinstance(value, torch.Tensor):
+            found[(name,)] = value
+        elif isinstance(value, dict):
+            found.update({(name, key): v for key, v in value.items() if isinstance(v, torch.Tensor)})
+    return found
+
+
+def with_tensors(kwargs: dict, tensors: dict) -> dict:
+    """kwargs with the tensors at the paths of `tensors` put in (dicts copied, never changed in place)."""
+    out = {name: (dict(v) if isinstance(v, dict) else v) for name, v in kwargs.items()}
+    for path, tensor in tensors.items():
+        if len(path) == 1:
+            out[path[0]] = tensor
+        else:
+            out[path[0]][path[1]] = tensor
+    return out
+
+
 def capturable(kwargs: dict) -> bool:
     """A one-token step on CUDA with a static (compileable, not dynamic) cache and no embeddings passed."""
     ids = kwargs.get("input_ids")
@@ -38,39 +60,36 @@ def capturable(kwargs: dict) -> bool:
         return False
     if cache is None or not getattr(cache, "is_compileable", False) or type(cache).__name__ == "DynamicCache":
         return False
-    if torch.cuda.is_current_stream_capturing():
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         return False
-    return all(v.is_cuda for v in kwargs.values() if isinstance(v, torch.Tensor))
+    return all(t.is_cuda for t in step_tensors(kwargs).values())
 
 
-def _step_key(kwargs: dict) -> tuple:
+def step_key(kwargs: dict) -> tuple:
     """(layout of the call, identity of its cache): one graph per layout, captured again for a new cache."""
-    parts, cache = [], None
+    tensors = step_tensors(kwargs)
+    layout = [(path, tuple(t.shape), t.dtype, t.stride(), str(t.device)) for path, t in sorted(tensors.items())]
+    cache = None
     for name in sorted(kwargs):
         value = kwargs[name]
         if name in CACHE_KEYS and value is not None:
             cache = _cache_key(value)
-        elif isinstance(value, torch.Tensor):
-            parts.append((name, tuple(value.shape), value.dtype, value.stride(), value.device))
-        else:
-            parts.append((name, repr(value)))
-    return tuple(parts), cache
+        elif isinstance(value, dict):
+            layout.append((name, tuple((k, repr(v)) for k, v in sorted(value.items()) if not isinstance(v, torch.Tensor))))
+        elif not isinstance(value, torch.Tensor):
+            layout.append((name, repr(value)))
+    return tuple(layout), cache
 
 
 class _Captured:
-    """A captured step: its graph, the input buffers it reads, its output, and the call that was captured."""
+    """A captured step: its graph, the input buffers it reads (by argument path) and its output."""
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, output, model: nn.Module, kwargs: dict, cache_key):
-        self.graph, self.inputs, self.output = graph, inputs, output
-        self.model, self.kwargs, self.cache_key = model, kwargs, cache_key
-
-    def run_eagerly(self):
-        """The captured step run without the graph, on the captured inputs (advances the cache like a replay)."""
-        return self.model(**self.kwargs)
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: dict, output, cache_key):
+        self.graph, self.inputs, self.output, self.cache_key = graph, inputs, output, cache_key
 
     def replay(self, kwargs: dict):
-        for name, buffer in self.inputs.items():
-            buffer.copy_(kwargs[name])
+        for path, tensor in step_tensors(kwargs).items():
+            self.inputs[path].copy_(tensor)
         self.graph.replay()
         return type(self.output)(**{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in self.output.items()})
 
@@ -85,11 +104,14 @@ class DecodeGraphs:
         self.pool = None
         self.replays = self.captures = 0
         self.enabled = True
+        self.failed: dict = {}    # layout -> why its capture failed (those steps run eagerly)
 
     def __call__(self, *args, **kwargs):
         if args or not self.enabled or not capturable(kwargs):
             return self.model(*args, **kwargs)
-        layout, cache_key = _step_key(kwargs)
+        layout, cache_key = step_key(kwargs)
+        if layout in self.failed:
+            return self.model(**kwargs)
         captured = self.graphs.pop(layout, None)
         if captured is not None and captured.cache_key == cache_key:
             self.graphs[layout] = captured
@@ -106,13 +128,17 @@ class DecodeGraphs:
         with torch.cuda.stream(side):
             result = self.model(**kwargs)
         current.wait_stream(side)
-        inputs = {k: v.clone() for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        inputs = {path: t.clone() for path, t in step_tensors(kwargs).items()}
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = self.model(**{**kwargs, **inputs})
-        self.graphs[layout] = _Captured(graph, inputs, output, self.model, {**kwargs, **inputs}, cache_key)
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = self.model(**with_tensors(kwargs, inputs))
+        except RuntimeError as err:        # a model whose step cannot be captured decodes eagerly
+            self.failed[layout] = f"{type(err).__name__}: {err}"
+            return result
+        self.graphs[layout] = _Captured(graph, inputs, output, cache_key)
         self.captures += 1
         while len(self.graphs) > self.max_graphs:
             self.graphs.popitem(last=False)
