@@ -79,16 +79,18 @@ def test_graph_decode_batches(path, batch):
 
 
 def test_sequence_logits_invariant_to_batch_size(path):
-    """A sequence's decode logits are the same bytes alone and among 7 others (one MoE decode plan serves both)."""
-    model = hf.from_pretrained(path, device="cuda")
+    """A sequence's logits are the same bytes alone and among 7 others: prefills of 16 and 128 rows and decode steps
+    of 1 and 8 rows all run the 1-128-row linears and one MoE plan (decode_tokens=128)."""
+    model = hf.from_pretrained(path, device="cuda", max_batch_tokens=128, decode_tokens=128)
     prompts = torch.randint(2, 1024, (8, PROMPT_TOKENS), generator=torch.Generator().manual_seed(3)).cuda()
     with torch.no_grad():
         single = model.generate(prompts[:1], max_new_tokens=4, do_sample=False, cache_implementation="static",
                                 output_logits=True, return_dict_in_generate=True)
         batched = model.generate(prompts, max_new_tokens=4, do_sample=False, cache_implementation="static",
                                  output_logits=True, return_dict_in_generate=True)
-    for step in range(1, 4):          # decode steps (step 0 is the prefill, whose row count differs)
-        assert torch.equal(single.logits[step][0], batched.logits[step][0])
+    assert model.decode_graphs.replays > 0
+    for step in range(4):             # step 0: the prefill's last position; then graph-replayed decode steps
+        assert torch.equal(single.logits[step][0], batched.logits[step][0]), step
 
 
 def test_synthetic_qwen3_30b_widths_two_layers(tmp_path):
