@@ -42,6 +42,9 @@ class _Planner:
         self.reader, self.model_type = reader, model_type
         self.linears = {info.key: info for info in reader.linears()}
         self.prefixes = {key.rsplit(".", depth)[0] for key in reader.keys() for depth in range(1, key.count(".") + 1)}
+        self.expert_ids: dict = {}
+        for m in filter(None, map(EXPERT_RE.match, self.linears)):
+            self.expert_ids.setdefault(m["prefix"], set()).add(int(m["index"]))
 
     def resolve(self, name: str) -> str:
         """The checkpoint name of module path `name` (the transformers name unless only an alias is stored)."""
@@ -87,7 +90,7 @@ class _Planner:
             raise FormatError(name, f"transformers' {type(block.experts).__name__} does not hold gate_up_proj / "
                               "down_proj expert tensors; this transformers version is not supported")
         E, H, inter = gate_up.shape[0], gate_up.shape[2], gate_up.shape[1] // 2
-        stored = sorted({int(m["index"]) for m in map(EXPERT_RE.match, self.linears) if m and m["prefix"] == prefix})
+        stored = sorted(self.expert_ids.get(prefix, ()))
         if stored != list(range(E)):
             missing = sorted(set(range(E)) - set(stored))
             rule = f"expert {missing[0]} missing" if missing else f"holds experts {stored[0]}..{stored[-1]}"
