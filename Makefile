@@ -10,7 +10,7 @@ INTERPRET := $(if $(HAS_GPU),,TRITON_INTERPRET=1)
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,plot]"
+	$(PY) -m pip install -q -e ".[dev,plot,hf]"
 	touch $@
 
 demo: $(VENV)/.installed

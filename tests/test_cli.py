@@ -108,7 +108,7 @@ def subcommands():
 
 
 def test_help_lists_only_working_commands_and_exit_codes(capsys):
-    assert set(subcommands()) == {"inspect", "verify", "demo", "warmup", "bench"}
+    assert set(subcommands()) == {"inspect", "verify", "demo", "warmup", "bench", "generate", "bench-model"}
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
     assert not re.search(r"\bquantize\b", out) and "exit codes" in out and "EXL3MOE_CACHE_DIR" in out

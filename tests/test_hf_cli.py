@@ -1,4 +1,4 @@
-"""The `generate` and `bench-model` commands (exl3moe.hf.cli_commands) on the CPU: parsing, streamed text equal to
+"""The `generate` and `bench-model` commands (exl3moe.hf_commands) on the CPU: parsing, streamed text equal to
 generate()'s greedy tokens, the rate lines, refusals."""
 
 import argparse
@@ -7,10 +7,10 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the hf extra; make test installs it)
 
 import exl3moe.hf as hf  # noqa: E402
-from exl3moe.hf.cli_commands import add_bench_model_parser, add_generate_parser  # noqa: E402
+from exl3moe.hf_commands import add_bench_model_parser, add_generate_parser  # noqa: E402
 
 CHECKPOINT = "tiny_qwen3_moe_exl3"
 PROMPT = "The quick brown fox"

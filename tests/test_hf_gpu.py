@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers  # noqa: E402  (the hf extra; make test installs it)
 
 import exl3moe.hf as hf  # noqa: E402
 from exl3moe.hf.synthetic import write_synthetic_checkpoint  # noqa: E402
@@ -94,7 +94,7 @@ def test_sequence_logits_invariant_to_batch_size(path):
 
 
 def test_synthetic_qwen3_30b_widths_two_layers(tmp_path):
-    from exl3moe.hf.cli_commands import SYNTHETIC
+    from exl3moe.hf_commands import SYNTHETIC
 
     config = {**SYNTHETIC["qwen3-30b-a3b"], "num_hidden_layers": 2}
     path = str(tmp_path / "ckpt")

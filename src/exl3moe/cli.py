@@ -15,6 +15,7 @@ from . import __version__
 from .checkpoint_report import inspect_checkpoint
 from .errors import ContractError, FormatError
 from .format.checkpoint import open_checkpoint
+from .hf_commands import add_bench_model_parser, add_generate_parser
 from .rows import DEFAULT_WIDTH, LIMIT, report_console
 from .warmup import CACHE_DOC
 
@@ -180,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     warmup.set_defaults(func=cmd_warmup)
     bench = sub.add_parser("bench", help="quick linear timing on this GPU against fp16 (full: bench/*.py)")
     bench.set_defaults(func=cmd_bench)
+    add_generate_parser(sub)
+    add_bench_model_parser(sub)
     return parser
 
 

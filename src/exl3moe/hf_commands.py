@@ -1,6 +1,7 @@
-"""`exl3moe generate` and `exl3moe bench-model`: parsers and entry points for cli.py to register.
+"""`exl3moe generate` and `exl3moe bench-model`: parsers and entry points for cli.py to register (transformers is
+imported only when a command runs).
 
-    from .hf.cli_commands import add_generate_parser, add_bench_model_parser
+    from .hf_commands import add_generate_parser, add_bench_model_parser
     add_generate_parser(sub); add_bench_model_parser(sub)      # each sets func=generate_main / bench_model_main
 """
 
@@ -13,7 +14,7 @@ import sys
 import tempfile
 import time
 
-from ..errors import ContractError, FormatError
+from .errors import ContractError, FormatError
 
 # Real dimensions of models a synthetic checkpoint can stand in for (config.json fields).
 SYNTHETIC = {
@@ -23,6 +24,16 @@ SYNTHETIC = {
                           rope_theta=1000000.0, rms_norm_eps=1e-6, norm_topk_prob=True, tie_word_embeddings=False,
                           bos_token_id=151643, eos_token_id=151645, hidden_act="silu"),
 }
+
+
+def transformers_installed() -> bool:
+    """Whether transformers can be imported; else one line saying how to install it."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is not None:
+        return True
+    print("error: this command needs transformers: pip install 'exl3moe[hf]'", file=sys.stderr)
+    return False
 
 
 def _dtype(name: str):
@@ -53,20 +64,22 @@ def add_generate_parser(sub):
     p = sub.add_parser("generate", help="generate text from an EXL3 checkpoint with transformers on exl3moe's kernels")
     p.add_argument("path", help="checkpoint directory (config.json, *.safetensors, tokenizer files)")
     p.add_argument("--prompt", required=True, help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    p.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
+    p.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="activations (default float16)")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="rows the EXL3 modules plan for")
     p.set_defaults(func=generate_main)
     return p
 
 
 def generate_main(args) -> int:
+    if not transformers_installed():
+        return 2
     import torch
     from transformers import AutoTokenizer
 
-    from .loader import from_pretrained
+    from .hf.loader import from_pretrained
 
     if args.max_new_tokens < 1 or args.temperature < 0:
         print("error: --max-new-tokens must be >= 1 and --temperature >= 0", file=sys.stderr)
@@ -102,8 +115,9 @@ def add_bench_model_arguments(p):
     p.add_argument("--layers", type=int, default=None, help="synthetic: decoder layers (default: the model's)")
     p.add_argument("--K", type=float, default=4, help="synthetic: bits per weight (codebook mcg)")
     p.add_argument("--workdir", default=None, help="synthetic: where to write the checkpoint (default: a temp dir)")
-    p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048])
-    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--prefill", type=int, nargs="+", default=[512, 2048],
+                   help="prompt lengths timed (default 512 2048)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes (default 1 8 32)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens before the decode steps")
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch size")
     p.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16", help="exl3moe activations")
@@ -120,7 +134,7 @@ def add_bench_model_parser(sub):
 
 
 def _write_synthetic(args) -> tuple:
-    from .synthetic import write_synthetic_checkpoint
+    from .hf.synthetic import write_synthetic_checkpoint
 
     config = dict(SYNTHETIC[args.synthetic])
     full_layers = config["num_hidden_layers"]
@@ -143,12 +157,14 @@ def _free_gpu_memory() -> None:
 
 
 def bench_model_main(args) -> int:
+    if not transformers_installed():
+        return 2
     import torch
     import transformers
 
-    from ..timing import run_info
-    from .benchmark import measure
-    from .loader import from_pretrained
+    from .timing import run_info
+    from .hf.benchmark import measure
+    from .hf.loader import from_pretrained
 
     if not torch.cuda.is_available():
         print("exl3moe bench-model: needs a CUDA GPU", file=sys.stderr)
@@ -188,8 +204,8 @@ def _measure_baseline(path: str, args) -> dict:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .benchmark import measure
-    from .graphs import install_decode_graphs
+    from .hf.benchmark import measure
+    from .hf.graphs import install_decode_graphs
 
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     if hasattr(config, "quantization_config"):
