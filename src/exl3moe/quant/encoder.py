@@ -31,6 +31,7 @@ class QuantStats:
     global_scale: float = 1.0
     hessian_shift: float = 0.0  # added to the diagonal to make H positive semidefinite
     counters: dict = field(default_factory=dict)
+    inner: torch.Tensor | None = None  # with keep_inner: the searched W_inner (fp16 [in, out]) that decode must give
 
 
 def proxy_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor | None) -> float:
@@ -58,12 +59,14 @@ def _check_init(init, W: torch.Tensor, K: float, codebook: str) -> None:
 def quantize_weight(W: torch.Tensor, H: torch.Tensor | None = None, K: float = 4, codebook: str = "mcg",
                     seed: int = 0, device=None, *, damp: float = DAMP, init: EXL3Weight | None = None,
                     scale: float | None = None, scale_tiles: int = SCALE_TILES, out_scales: bool = True,
-                    exact: bool = True, name: str = "weight") -> tuple[EXL3Weight, QuantStats]:
+                    exact: bool = True, keep_inner: bool = False,
+                    name: str = "weight") -> tuple[EXL3Weight, QuantStats]:
     """Encode W [in, out] as EXL3 at K bits per weight with `codebook`, minimising trace(E^T H E).
 
     H is the input Hessian X^T X / rows ([in, in]; None: identity). `init` (an EXL3Weight of the same shape, K and
     codebook) reuses its scales and is returned instead when the new encoding is not better. `scale` fixes the
     global scale instead of searching it on `scale_tiles` tiles. exact=False skips the search of other seams.
+    keep_inner keeps the searched W_inner in the stats.
     """
     check_rate(K, codebook)
     check_weight(W)
@@ -96,12 +99,14 @@ def quantize_weight(W: torch.Tensor, H: torch.Tensor | None = None, K: float = 4
         H_r = rotated_hessian(H64 + damp * float(H64.diagonal().mean()) * torch.eye(
             H64.shape[0], dtype=torch.float64, device=dev), su)
         L = block_ldl(H_r)
-    states, _, counters = ldlq(ring, W_r, L, exact)
+    states, Q, counters = ldlq(ring, W_r, L, exact)
     weight = EXL3Weight(pack_states(states, K), su, sv, codebook, None, name)
     error = proxy_error(W64, weight.dense(torch.float64), H64)
+    inner = Q.to(torch.float16) if keep_inner else None
     if init is not None:
         init_error = proxy_error(W64, init.to(dev).dense(torch.float64), H64)
         if init_error <= error:
             weight, error = init.to(dev), init_error
-    stats = QuantStats(error, time.perf_counter() - start, K, codebook, g, shift, counters)
+            inner = weight.inner() if keep_inner else None
+    stats = QuantStats(error, time.perf_counter() - start, K, codebook, g, shift, counters, inner)
     return weight, stats

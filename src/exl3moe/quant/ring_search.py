@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .trellis import INF, Ring, backward, forward, one_hot_start, trace_forward, traceback
+from .trellis import INF, Ring, backward, forward, one_hot_start, path_cost, trace_forward, traceback
 
 # Bounds and costs are float sums in different orders; a seam is skipped only when its bound exceeds U by this margin.
 BOUND_SLACK = 2.0 ** -14
@@ -31,18 +31,17 @@ class RingResult:
 def free_cost(ring: Ring, targets: torch.Tensor) -> torch.Tensor:
     """[B] the best cost over paths with a free start and end (a lower bound of the ring optimum)."""
     init = torch.zeros(targets.shape[0], ring.node_count, dtype=ring.dtype, device=targets.device)
-    m, _, _ = forward(ring, targets.to(ring.dtype), 0, ring.T, init)
+    m, _ = forward(ring, targets.to(ring.dtype), 0, ring.T, init)
     return m.amin(-1)
 
 
 def forced_seam(ring: Ring, targets: torch.Tensor, seams: torch.Tensor, with_path: bool):
     """Best ring path with the seam node forced to `seams` [B]: (cost [B], states [B, T] or None)."""
-    m, decisions, _ = forward(ring, targets, 0, ring.T, one_hot_start(ring, seams),
-                              keep_from=0 if with_path else None)
+    m, inputs = forward(ring, targets, 0, ring.T, one_hot_start(ring, seams), keep_from=0 if with_path else None)
     cost = m[torch.arange(seams.shape[0], device=seams.device), seams]
     if not with_path:
         return cost, None
-    states, _ = traceback(ring, decisions, 0, ring.T, seams)
+    states, _ = traceback(ring, targets, inputs, 0, ring.T, seams)
     return cost, states
 
 
@@ -53,15 +52,15 @@ def bound_paths(ring: Ring, targets: torch.Tensor):
     """
     B, T, h = targets.shape[0], ring.T, ring.T // 2
     free = torch.zeros(B, ring.node_count, dtype=ring.dtype, device=targets.device)
-    head_in, _, _ = forward(ring, targets, 0, h, free)
+    head_in, _ = forward(ring, targets, 0, h, free)
     tail_out, _ = backward(ring, targets, h, T - h, free)
     phi = (tail_out - head_in) / 2
-    head, head_dec = backward(ring, targets, 0, h, phi, keep=True)
-    tail, tail_dec, _ = forward(ring, targets, h, T - h, -phi, keep_from=0)
+    head, head_inputs = backward(ring, targets, 0, h, phi, keep=True)
+    tail, tail_inputs = forward(ring, targets, h, T - h, -phi, keep_from=0)
     bounds = head + tail
     seam = bounds.argmin(-1)
-    head_states, head_end = trace_forward(ring, head_dec, 0, h, seam)
-    tail_states, tail_start = traceback(ring, tail_dec, h, T - h, seam)
+    head_states, head_end = trace_forward(ring, targets, head_inputs, 0, h, seam)
+    tail_states, tail_start = traceback(ring, targets, tail_inputs, h, T - h, seam)
     return bounds, seam, torch.cat((head_states, tail_states), 1), head_end == tail_start
 
 
@@ -69,14 +68,15 @@ def search_ring(ring: Ring, targets: torch.Tensor, exact: bool = True, chunk: in
     """The ring optimum of every row of `targets` [B, T] (exact=False: the seam of least bound, forced if needed)."""
     targets = targets.to(ring.dtype)
     bounds, seam, states, closed = bound_paths(ring, targets)
-    cost = bounds.gather(1, seam[:, None]).squeeze(1)
-    result = RingResult(states, cost)
+    result = RingResult(states, path_cost(ring, targets, states))
+    cost = result.cost
     open_tiles = (~closed).nonzero().flatten()
     if open_tiles.numel():
         cost[open_tiles], states[open_tiles] = forced_seam(ring, targets[open_tiles], seam[open_tiles], True)
         result.forced = open_tiles.numel()
     if exact:
         _search_other_seams(ring, targets, bounds, seam, result, chunk)
+    result.cost = path_cost(ring, targets, result.states)
     return result
 
 

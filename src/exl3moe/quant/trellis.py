@@ -47,13 +47,13 @@ class Ring:
         """Width of the node after position p (the low bits of s(p) that s(p+1) keeps)."""
         return self.L - self.D(p + 1)
 
-    def forward_table(self, D: int, E: int) -> torch.Tensor:
-        """values in the order [n_p, o_hi]: entry (n << E) | h is the state (h << (L-E)) | n."""
-        if (D, E) not in self._tables:
+    def backward_table(self, D: int) -> torch.Tensor:
+        """values in the order [symbol, node before]: entry (y << (L-D)) | n is the state (n << D) | y."""
+        if D not in self._tables:
             r = torch.arange(1 << self.L, device=self.device)
-            states = ((r & ((1 << E) - 1)) << (self.L - E)) | (r >> E)
-            self._tables[(D, E)] = self.values[states].contiguous()
-        return self._tables[(D, E)]
+            states = ((r & ((1 << (self.L - D)) - 1)) << D) | (r >> (self.L - D))
+            self._tables[D] = self.values[states].contiguous()
+        return self._tables[D]
 
     @cached_property
     def node_count(self) -> int:
@@ -66,92 +66,93 @@ def format_ring(K: float, values: torch.Tensor, dtype: torch.dtype = torch.float
     return Ring(16, tuple(ends[p + 1] - ends[p] for p in range(256)), values, dtype)
 
 
+def _squared_error(values: torch.Tensor, target: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """(values - target)^2 as two rounded float ops, so that traceback recomputes the same bits."""
+    torch.sub(values, target, out=out)
+    return out.square_()
+
+
 def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
-            keep_from: int | None = None, snapshot_at: int | None = None):
+            keep_from: int | None = None):
     """Viterbi over positions start .. start+count-1 (mod T) from node costs `init` [B, 2^(L-D(start))].
 
-    Returns (costs of the nodes after the last position, decisions, snapshot): decisions[i] (uint8 [B, nodes],
-    the high bits of the best state into each node) for steps i >= keep_from, else None; snapshot = the node costs
-    after step `snapshot_at`.
+    Returns (costs of the nodes after the last position, inputs): inputs[i] is the node-cost vector that step i
+    started from, kept for steps i >= keep_from (traceback recomputes the step's choice from it), else None.
     """
     B = targets.shape[0]
     L = ring.L
     m = init
-    decisions = [None] * count
-    snapshot = None
+    inputs = [None] * count
     cost = torch.empty(B, 1 << L, dtype=ring.dtype, device=targets.device)
     for i in range(count):
         p = (start + i) % ring.T
         D, E = ring.D(p), ring.D(p + 1)
-        torch.sub(ring.forward_table(D, E), targets[:, p, None], out=cost)
-        cost.square_()
-        prev = m.view(B, 1 << E, 1 << (L - D - E)).transpose(1, 2).unsqueeze(2)
-        cost.view(B, 1 << (L - D - E), 1 << D, 1 << E).add_(prev)
-        grouped = cost.view(B, 1 << (L - E), 1 << E)
         if keep_from is not None and i >= keep_from:
-            m, arg = grouped.min(dim=-1)
-            decisions[i] = arg.to(torch.uint8)
-        else:
-            m = grouped.amin(dim=-1)
-        if i == snapshot_at:
-            snapshot = m.clone()
-    return m, decisions, snapshot
+            inputs[i] = m
+        _squared_error(ring.values, targets[:, p, None], cost)
+        cost.view(B, 1 << (L - D), 1 << D).add_(m[:, :, None])
+        m = cost.view(B, 1 << E, 1 << (L - E)).amin(dim=1)
+    return m, inputs
 
 
 def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):
     """Best costs of positions start .. start+count-1 from each node before `start`, given `final` [B, nodes] the
-    cost of the node after the last position. Returns (costs [B, 2^(L-D(start))], decisions): decisions[i] (uint8
-    [B, nodes], the best symbol of step i from each node before it) if keep, else None."""
+    cost of the node after the last position. Returns (costs [B, 2^(L-D(start))], inputs): inputs[i] is the
+    node-cost vector after step i that step i was computed from (all steps if keep, else None)."""
     B = targets.shape[0]
     L = ring.L
     g = final
-    decisions = [None] * count
+    inputs = [None] * count
     cost = torch.empty(B, 1 << L, dtype=ring.dtype, device=targets.device)
     for i in reversed(range(count)):
         p = (start + i) % ring.T
         D, E = ring.D(p), ring.D(p + 1)
-        torch.sub(ring.values, targets[:, p, None], out=cost)
-        cost.square_()
-        cost.view(B, 1 << E, 1 << (L - E)).add_(g[:, None, :])
-        grouped = cost.view(B, 1 << (L - D), 1 << D)
         if keep:
-            g, arg = grouped.min(dim=-1)
-            decisions[i] = arg.to(torch.uint8)
-        else:
-            g = grouped.amin(dim=-1)
-    return g, (decisions if keep else None)
+            inputs[i] = g
+        _squared_error(ring.backward_table(D), targets[:, p, None], cost)
+        after = g.view(B, 1 << (L - D - E), 1 << D).transpose(1, 2).contiguous()
+        cost.view(B, 1 << D, 1 << E, 1 << (L - D - E)).add_(after[:, :, None, :])
+        g = cost.view(B, 1 << D, 1 << (L - D)).amin(dim=1)
+    return g, (inputs if keep else None)
 
 
-def trace_forward(ring: Ring, decisions: list, start: int, count: int, first_node: torch.Tensor):
-    """Follow backward-pass decisions from `first_node` [B] (the node before `start`); returns (states [B, count],
-    node after the last position)."""
+def trace_forward(ring: Ring, targets: torch.Tensor, inputs: list, start: int, count: int,
+                  first_node: torch.Tensor):
+    """Follow a backward pass from `first_node` [B] (the node before `start`), choosing at each step the symbol of
+    least cost again; returns (states [B, count], node after the last position)."""
     B = first_node.shape[0]
+    L = ring.L
     node = first_node.to(torch.int64)
     states = torch.empty(B, count, dtype=torch.int64, device=first_node.device)
-    rows = torch.arange(B, device=first_node.device)
+    rows = torch.arange(B, device=first_node.device)[:, None]
     for i in range(count):
         p = (start + i) % ring.T
         D, E = ring.D(p), ring.D(p + 1)
-        state = (node << D) | decisions[i][rows, node].to(torch.int64)
+        options = (node[:, None] << D) | torch.arange(1 << D, device=node.device)
+        cost = _squared_error(ring.values[options], targets[:, p, None], torch.empty_like(options, dtype=ring.dtype))
+        cost.add_(inputs[i][rows, options & ((1 << (L - E)) - 1)])
+        state = options.gather(1, cost.argmin(1, keepdim=True)).squeeze(1)
         states[:, i] = state
-        node = state & ((1 << (ring.L - E)) - 1)
+        node = state & ((1 << (L - E)) - 1)
     return states, node
 
 
-def traceback(ring: Ring, decisions: list, start: int, count: int, last_node: torch.Tensor,
+def traceback(ring: Ring, targets: torch.Tensor, inputs: list, start: int, count: int, last_node: torch.Tensor,
               stop: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Walk decisions of steps count-1 .. stop back from `last_node` [B]; returns (states [B, count - stop] in step
-    order, node before step `stop`)."""
+    """Walk a forward pass back from `last_node` [B] over steps count-1 .. stop, choosing at each step the state of
+    least cost again; returns (states [B, count - stop] in step order, node before step `stop`)."""
     B = last_node.shape[0]
     L = ring.L
     node = last_node.to(torch.int64)
     states = torch.empty(B, count - stop, dtype=torch.int64, device=last_node.device)
-    rows = torch.arange(B, device=last_node.device)
+    rows = torch.arange(B, device=last_node.device)[:, None]
     for i in reversed(range(stop, count)):
         p = (start + i) % ring.T
         D, E = ring.D(p), ring.D(p + 1)
-        high = decisions[i][rows, node].to(torch.int64)
-        state = (high << (L - E)) | node
+        options = (torch.arange(1 << E, device=node.device) << (L - E)) | node[:, None]
+        cost = _squared_error(ring.values[options], targets[:, p, None], torch.empty_like(options, dtype=ring.dtype))
+        cost.add_(inputs[i][rows, options >> D])
+        state = options.gather(1, cost.argmin(1, keepdim=True)).squeeze(1)
         states[:, i - stop] = state
         node = state >> D
     return states, node
