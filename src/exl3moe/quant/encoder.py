@@ -13,8 +13,9 @@ from ..format.hadamard import hadamard_blockwise
 from ..format.weight import EXL3Weight
 from .checks import check_hessian, check_rate, check_weight, resolve_device, symmetric_psd_hessian
 from .ldlq import block_ldl, ldlq
-from .rotation import (channel_rms, divide_channels, output_scales, random_signs, rotate, rotated_hessian,
-                       to_fp16_scale)
+from .refit import refit_scales
+from .rotation import (channel_rms, divide_channels, left_hadamard, output_scales, random_signs, rotate,
+                       rotated_hessian, to_fp16_scale)
 from .scale_search import global_scale
 from .tiles import tile_ring
 
@@ -32,6 +33,7 @@ class QuantStats:
     hessian_shift: float = 0.0  # added to the diagonal to make H positive semidefinite
     counters: dict = field(default_factory=dict)
     inner: torch.Tensor | None = None  # with keep_inner: the searched W_inner (fp16 [in, out]) that decode must give
+    kept_init: bool = False            # init was returned: the new encoding was not better
 
 
 def proxy_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor | None) -> float:
@@ -59,14 +61,15 @@ def _check_init(init, W: torch.Tensor, K: float, codebook: str) -> None:
 def quantize_weight(W: torch.Tensor, H: torch.Tensor | None = None, K: float = 4, codebook: str = "mcg",
                     seed: int = 0, device=None, *, damp: float = DAMP, init: EXL3Weight | None = None,
                     scale: float | None = None, scale_tiles: int = SCALE_TILES, out_scales: bool = True,
-                    exact: bool = True, keep_inner: bool = False,
+                    exact: bool = True, refit: bool = True, keep_inner: bool = False,
                     name: str = "weight") -> tuple[EXL3Weight, QuantStats]:
     """Encode W [in, out] as EXL3 at K bits per weight with `codebook`, minimising trace(E^T H E).
 
     H is the input Hessian X^T X / rows ([in, in]; None: identity). `init` (an EXL3Weight of the same shape, K and
     codebook) reuses its scales and is returned instead when the new encoding is not better. `scale` fixes the
     global scale instead of searching it on `scale_tiles` tiles. exact=False skips the search of other seams.
-    keep_inner keeps the searched W_inner in the stats.
+    refit re-solves the channel scales for the final trellis (kept when better). keep_inner keeps the searched
+    W_inner in the stats.
     """
     check_rate(K, codebook)
     check_weight(W)
@@ -100,13 +103,22 @@ def quantize_weight(W: torch.Tensor, H: torch.Tensor | None = None, K: float = 4
             H64.shape[0], dtype=torch.float64, device=dev), su)
         L = block_ldl(H_r)
     states, Q, counters = ldlq(ring, W_r, L, exact)
-    weight = EXL3Weight(pack_states(states, K), su, sv, codebook, None, name)
+    trellis = pack_states(states, K)
+    weight = EXL3Weight(trellis, su, sv, codebook, None, name)
     error = proxy_error(W64, weight.dense(torch.float64), H64)
-    inner = Q.to(torch.float16) if keep_inner else None
+    if refit:
+        A = hadamard_blockwise(left_hadamard(Q))
+        su_f, sv_f = refit_scales(A, su, sv, W64, H64)
+        refitted = EXL3Weight(trellis, to_fp16_scale(su_f), to_fp16_scale(sv_f), codebook, None, name)
+        refit_error = proxy_error(W64, refitted.dense(torch.float64), H64)
+        counters["refit_gain"] = error / refit_error if refit_error > 0 else float("inf")
+        if refit_error < error:
+            weight, error = refitted, refit_error
+    kept_init = False
     if init is not None:
         init_error = proxy_error(W64, init.to(dev).dense(torch.float64), H64)
         if init_error <= error:
-            weight, error = init.to(dev), init_error
-            inner = weight.inner() if keep_inner else None
-    stats = QuantStats(error, time.perf_counter() - start, K, codebook, g, shift, counters, inner)
+            weight, error, kept_init = init.to(dev), init_error, True
+    stats = QuantStats(error, time.perf_counter() - start, K, codebook, g, shift, counters,
+                       Q.to(torch.float16) if keep_inner else None, kept_init)
     return weight, stats
