@@ -8,6 +8,7 @@ from ..errors import ContractError
 from ..format.bitstream import HALF_K, INTEGER_K
 from ..format.codebook import CODEBOOKS
 from ..format.hadamard import HAD
+from ..format.weight import EXL3Weight
 
 # A Hessian whose asymmetry max|H - H^T| / max|H| exceeds this is refused; below it, H is symmetrised.
 ASYMMETRY_LIMIT = 1e-3
@@ -25,50 +26,50 @@ def check_rate(K: float, codebook: str) -> None:
         raise ContractError("K", f"half-integer K={K} exists only with the mul1 codebook, not {codebook}")
 
 
-def check_weight(W) -> None:
+def check_weight(W, name: str = "W") -> None:
     if not isinstance(W, torch.Tensor):
-        raise ContractError("W", f"must be a tensor, got {type(W).__name__}")
+        raise ContractError(name, f"must be a tensor, got {type(W).__name__}")
     if W.dtype not in FLOAT_DTYPES:
-        raise ContractError("W", f"dtype must be one of fp16/bf16/fp32/fp64, got {W.dtype}")
+        raise ContractError(name, f"dtype must be one of fp16/bf16/fp32/fp64, got {W.dtype}")
     if W.dim() != 2:
-        raise ContractError("W", f"must be 2-D [in_features, out_features], got shape {list(W.shape)}")
+        raise ContractError(name, f"must be 2-D [in_features, out_features], got shape {list(W.shape)}")
     k, n = W.shape
     if k == 0 or n == 0 or k % HAD or n % HAD:
-        raise ContractError("W", f"shape {list(W.shape)}: in_features and out_features must be non-zero multiples of "
-                                 f"{HAD} (the Hadamard block); pad W with zero rows/columns first")
+        raise ContractError(name, f"shape {list(W.shape)}: in_features and out_features must be non-zero multiples "
+                                  f"of {HAD} (the Hadamard block); pad W with zero rows/columns first")
     if not bool(torch.isfinite(W).all()):
-        raise ContractError("W", "must be finite (found inf or nan)")
+        raise ContractError(name, "must be finite (found inf or nan)")
 
 
-def check_hessian(H, k: int) -> None:
-    """Shape, dtype and finiteness; symmetry and definiteness are judged by regularised_hessian."""
+def check_hessian(H, k: int, name: str = "H") -> None:
+    """Shape, dtype and finiteness; symmetry and definiteness are judged by symmetric_psd_hessian."""
     if not isinstance(H, torch.Tensor):
-        raise ContractError("H", f"must be a tensor or None, got {type(H).__name__}")
+        raise ContractError(name, f"must be a tensor or None, got {type(H).__name__}")
     if H.dtype not in FLOAT_DTYPES:
-        raise ContractError("H", f"dtype must be one of fp16/bf16/fp32/fp64, got {H.dtype}")
+        raise ContractError(name, f"dtype must be one of fp16/bf16/fp32/fp64, got {H.dtype}")
     if list(H.shape) != [k, k]:
-        raise ContractError("H", f"must be [in_features, in_features] = [{k}, {k}], got {list(H.shape)}")
+        raise ContractError(name, f"must be [in_features, in_features] = [{k}, {k}], got {list(H.shape)}")
     if not bool(torch.isfinite(H).all()):
-        raise ContractError("H", "must be finite (found inf or nan)")
+        raise ContractError(name, "must be finite (found inf or nan)")
 
 
-def symmetric_psd_hessian(H: torch.Tensor) -> tuple[torch.Tensor, float]:
+def symmetric_psd_hessian(H: torch.Tensor, name: str = "H") -> tuple[torch.Tensor, float]:
     """float64 (H + H^T)/2 shifted up to positive semidefinite, and the shift; refuses H beyond the limits."""
     H = H.to(torch.float64)
     scale = float(H.abs().max())
     if scale == 0:
-        raise ContractError("H", "is all zeros: no calibration signal (pass H=None for an unweighted error)")
+        raise ContractError(name, "is all zeros: no calibration signal (pass H=None for an unweighted error)")
     asymmetry = float((H - H.T).abs().max()) / scale
     if asymmetry > ASYMMETRY_LIMIT:
-        raise ContractError("H", f"is not symmetric: max|H - H^T| / max|H| = {asymmetry:.3g} > {ASYMMETRY_LIMIT}")
+        raise ContractError(name, f"is not symmetric: max|H - H^T| / max|H| = {asymmetry:.3g} > {ASYMMETRY_LIMIT}")
     H = (H + H.T) / 2
     mean_diag = float(H.diagonal().mean())
     if mean_diag <= 0:
-        raise ContractError("H", f"mean diagonal {mean_diag:.3g} <= 0: not a Hessian X^T X / rows")
+        raise ContractError(name, f"mean diagonal {mean_diag:.3g} <= 0: not a Hessian X^T X / rows")
     lowest = float(torch.linalg.eigvalsh(H)[0])
     if lowest < -NEGATIVE_LIMIT * mean_diag:
-        raise ContractError("H", f"is not positive semidefinite: smallest eigenvalue {lowest:.3g} is below "
-                                 f"-{NEGATIVE_LIMIT} x mean diagonal ({mean_diag:.3g})")
+        raise ContractError(name, f"is not positive semidefinite: smallest eigenvalue {lowest:.3g} is below "
+                                  f"-{NEGATIVE_LIMIT} x mean diagonal ({mean_diag:.3g})")
     shift = max(0.0, -lowest)
     if shift:
         H = H + shift * torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
@@ -82,3 +83,47 @@ def resolve_device(device, W: torch.Tensor) -> torch.device:
         return torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ContractError("device", f"not a torch device: {device!r} ({err})") from None
+
+
+def check_init(init, W: torch.Tensor, K: float, codebook: str, name: str = "init") -> None:
+    if init is None:
+        return
+    if not isinstance(init, EXL3Weight):
+        raise ContractError(name, f"must be an EXL3Weight or None, got {type(init).__name__}")
+    if (init.in_features, init.out_features) != tuple(W.shape) or init.K != K or init.codebook != codebook:
+        raise ContractError(name, f"is [{init.in_features}, {init.out_features}] K={init.K} {init.codebook}; "
+                                  f"W is {list(W.shape)} and the call asks K={K} {codebook}")
+
+
+def _listed(value, count: int, name: str) -> list:
+    if not isinstance(value, (list, tuple)) or len(value) != count:
+        raise ContractError(name, f"must be a list of {count} (one per weight), got {type(value).__name__}")
+    return list(value)
+
+
+def check_call(Ws, Hs, inits, K, codebook, device, damp, scale) -> tuple[torch.device, list, list]:
+    """Every refusal of quantize_weights; returns the device, each weight's (float64 PSD H or None, shift) and
+    the inits (None for each when not given)."""
+    check_rate(K, codebook)
+    if not isinstance(Ws, (list, tuple)) or not Ws:
+        raise ContractError("Ws", f"must be a non-empty list of weights, got {type(Ws).__name__}")
+    one = len(Ws) == 1
+    label = lambda base, i: base if one else f"{base}[{i}]"  # noqa: E731
+    Hs = [None] * len(Ws) if Hs is None else _listed(Hs, len(Ws), "Hs")
+    inits = [None] * len(Ws) if inits is None else _listed(inits, len(Ws), "inits")
+    for i, W in enumerate(Ws):
+        check_weight(W, label("W", i))
+        if W.shape != Ws[0].shape:
+            raise ContractError(label("W", i), f"shape {list(W.shape)} differs from the first weight's "
+                                               f"{list(Ws[0].shape)}; a batch has one shape")
+        if Hs[i] is not None:
+            check_hessian(Hs[i], W.shape[0], label("H", i))
+        check_init(inits[i], W, K, codebook, label("init", i))
+    if not (isinstance(damp, (int, float)) and damp >= 0):
+        raise ContractError("damp", f"must be a number >= 0, got {damp!r}")
+    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
+        raise ContractError("scale", f"must be a positive finite number or None, got {scale!r}")
+    dev = resolve_device(device, Ws[0])
+    hessians = [(None, 0.0) if H is None else symmetric_psd_hessian(H.to(dev), label("H", i))
+                for i, H in enumerate(Hs)]
+    return dev, hessians, inits

@@ -1,4 +1,8 @@
-"""quantize_weight: a float weight [in, out] and its input Hessian -> an EXL3Weight and the proxy error."""
+"""quantize_weight(s): float weights [in, out] and their input Hessians -> EXL3Weights and the proxy error.
+
+Several weights of one shape (the experts of a layer) are encoded together: every LDLQ strip is searched for all of
+them in one batch of tiles.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +11,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import ContractError
 from ..format.bitstream import pack_states
 from ..format.hadamard import hadamard_blockwise
 from ..format.weight import EXL3Weight
-from .checks import check_hessian, check_rate, check_weight, resolve_device, symmetric_psd_hessian
-from .ldlq import block_ldl, ldlq
+from .checks import check_call
+from .ldlq import block_ldl, ldlq, refine
 from .refit import refit_scales
 from .rotation import (channel_rms, divide_channels, left_hadamard, output_scales, random_signs, rotate,
                        rotated_hessian, to_fp16_scale)
-from .scale_search import global_scale
+from .scale_search import global_scales
 from .tiles import tile_ring
 
 DAMP = 0.025          # H + DAMP x mean(diag H) x I before the LDL (the proxy error uses H undamped)
-SCALE_TILES = 64      # tiles the global scale search quantizes at each trial scale
+SCALE_TILES = 64      # tiles of each weight the global scale search quantizes at each trial scale
 
 
 @dataclass
 class QuantStats:
     proxy_error: float          # trace(E^T H E) / trace(W^T H W), E = decoded W - W
-    seconds: float
+    seconds: float              # wall time of the call (for a batch: of the whole batch)
     K: float
     codebook: str
     global_scale: float = 1.0
@@ -34,6 +37,21 @@ class QuantStats:
     counters: dict = field(default_factory=dict)
     inner: torch.Tensor | None = None  # with keep_inner: the searched W_inner (fp16 [in, out]) that decode must give
     kept_init: bool = False            # init was returned: the new encoding was not better
+
+
+@dataclass
+class _Job:
+    """One weight on its way through the encoder (float64 on the compute device)."""
+    W: torch.Tensor
+    H: torch.Tensor | None
+    shift: float
+    init: EXL3Weight | None
+    su: torch.Tensor | None = None
+    sv: torch.Tensor | None = None
+    g: float = 1.0
+    W_r: torch.Tensor | None = None
+    H_r: torch.Tensor | None = None
+    L: torch.Tensor | None = None
 
 
 def proxy_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor | None) -> float:
@@ -48,77 +66,94 @@ def proxy_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor | None) ->
     return num / den
 
 
-def _check_init(init, W: torch.Tensor, K: float, codebook: str) -> None:
-    if init is None:
-        return
-    if not isinstance(init, EXL3Weight):
-        raise ContractError("init", f"must be an EXL3Weight or None, got {type(init).__name__}")
-    if (init.in_features, init.out_features) != tuple(W.shape) or init.K != K or init.codebook != codebook:
-        raise ContractError("init", f"is [{init.in_features}, {init.out_features}] K={init.K} {init.codebook}; "
-                                    f"W is {list(W.shape)} and the call asks K={K} {codebook}")
-
-
 def quantize_weight(W: torch.Tensor, H: torch.Tensor | None = None, K: float = 4, codebook: str = "mcg",
-                    seed: int = 0, device=None, *, damp: float = DAMP, init: EXL3Weight | None = None,
-                    scale: float | None = None, scale_tiles: int = SCALE_TILES, out_scales: bool = True,
-                    exact: bool = True, refit: bool = True, keep_inner: bool = False,
-                    name: str = "weight") -> tuple[EXL3Weight, QuantStats]:
+                    seed: int = 0, device=None, *, init: EXL3Weight | None = None, name: str = "weight",
+                    **options) -> tuple[EXL3Weight, QuantStats]:
     """Encode W [in, out] as EXL3 at K bits per weight with `codebook`, minimising trace(E^T H E).
 
     H is the input Hessian X^T X / rows ([in, in]; None: identity). `init` (an EXL3Weight of the same shape, K and
-    codebook) reuses its scales and is returned instead when the new encoding is not better. `scale` fixes the
-    global scale instead of searching it on `scale_tiles` tiles. exact=False skips the search of other seams.
-    refit re-solves the channel scales for the final trellis (kept when better). keep_inner keeps the searched
-    W_inner in the stats.
+    codebook) reuses its scales and is returned instead when the new encoding is not better. Options: see
+    quantize_weights.
     """
-    check_rate(K, codebook)
-    check_weight(W)
-    if H is not None:
-        check_hessian(H, W.shape[0])
-    _check_init(init, W, K, codebook)
-    if not (isinstance(damp, (int, float)) and damp >= 0):
-        raise ContractError("damp", f"must be a number >= 0, got {damp!r}")
-    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
-        raise ContractError("scale", f"must be a positive finite number or None, got {scale!r}")
-    dev = resolve_device(device, W)
-    start = time.perf_counter()
-    W64 = W.to(dev, torch.float64)
-    H64, shift = (None, 0.0) if H is None else symmetric_psd_hessian(H.to(dev))
-    ring = tile_ring(K, codebook, dev)
-    generator = torch.Generator().manual_seed(seed)
+    return quantize_weights([W], [H], K, codebook, seed, device, inits=[init], names=[name], **options)[0]
 
-    if init is not None:
-        su, sv, g = init.suh.to(dev), init.svh.to(dev), 1.0
+
+def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: str = "mcg", seed: int = 0,
+                     device=None, *, inits: list | None = None, names: list | None = None, damp: float = DAMP,
+                     scale: float | None = None, scale_tiles: int = SCALE_TILES, out_scales: bool = True,
+                     exact: bool = True, refit: bool = True, sweeps: int = 0,
+                     keep_inner: bool = False) -> list[tuple[EXL3Weight, QuantStats]]:
+    """Encode weights of one shape together (each with its own Hessian, scales and seed seed + index).
+
+    damp: the LDL factors H + damp x mean(diag H) x I. scale: a fixed global scale instead of the search on
+    `scale_tiles` tiles per weight. out_scales: output channels scaled by their RMS (else signs only).
+    exact=False skips the search of other seams. refit: the channel scales re-solved for the final trellis (kept when
+    better). sweeps: block coordinate descent sweeps after LDLQ. keep_inner: the searched W_inner kept in the stats.
+    """
+    start = time.perf_counter()
+    dev, hessians, inits = check_call(Ws, Hs, inits, K, codebook, device, damp, scale)
+    names = [f"weight{i}" for i in range(len(Ws))] if names is None else names
+    jobs = [_Job(W.to(dev, torch.float64), H64, shift, init) for W, (H64, shift), init in zip(Ws, hessians, inits)]
+    ring = tile_ring(K, codebook, dev)
+    generators = [torch.Generator().manual_seed(seed + i) for i in range(len(jobs))]
+    _choose_scales(ring, jobs, generators, out_scales, scale, scale_tiles)
+    for job in jobs:
+        job.W_r = rotate(job.W, job.su, job.sv)
+        if job.H is not None:
+            damped = job.H + damp * float(job.H.diagonal().mean()) * torch.eye(job.H.shape[0], dtype=torch.float64,
+                                                                                 device=dev)
+            job.H_r = rotated_hessian(damped, job.su)
+            job.L = block_ldl(job.H_r)
+    states, Qs, counters = ldlq(ring, [j.W_r for j in jobs], [j.L for j in jobs], exact)
+    for _ in range(sweeps):
+        counters["refined_strips"] = counters.get("refined_strips", 0) + refine(
+            ring, [j.W_r for j in jobs], Qs, states, [j.H_r for j in jobs], exact)
+    out = []
+    for job, st, Q, name in zip(jobs, states, Qs, names):
+        weight, error, kept, gain = _finish(job, pack_states(st, K), Q, codebook, refit, name)
+        out.append([weight, QuantStats(error, 0.0, K, codebook, job.g, job.shift, dict(counters, refit_gain=gain),
+                                       Q.to(torch.float16) if keep_inner else None, kept)])
+    seconds = time.perf_counter() - start
+    for pair in out:
+        pair[1].seconds = seconds
+    return [tuple(pair) for pair in out]
+
+
+def _choose_scales(ring, jobs, generators, out_scales, scale, scale_tiles) -> None:
+    """su, sv and g of every job: from init, or random signs x channel RMS and the global scale search."""
+    fresh = [(job, gen) for job, gen in zip(jobs, generators) if job.init is None]
+    for job in jobs:
+        if job.init is not None:
+            job.su, job.sv = job.init.suh.to(job.W.device), job.init.svh.to(job.W.device)
+    su0 = []
+    for job, gen in fresh:
+        job.sv = output_scales(job.W, gen, out_scales)
+        rows = channel_rms(hadamard_blockwise(divide_channels(job.W, job.sv, 1)), 1)
+        su0.append(random_signs(job.W.shape[0], gen, job.W.device) * rows)
+    if scale is None and fresh:
+        gs = global_scales(ring, [rotate(job.W, s, job.sv) for (job, _), s in zip(fresh, su0)], scale_tiles,
+                           [gen for _, gen in fresh])
     else:
-        sv = output_scales(W64, generator, out_scales)
-        inner = divide_channels(W64, sv, 1)
-        rows = channel_rms(hadamard_blockwise(inner), 1)
-        su0 = random_signs(W64.shape[0], generator, dev) * torch.where(rows > 0, rows, 0.0)
-        g = scale if scale is not None else global_scale(ring, rotate(W64, su0, sv), scale_tiles, generator)
-        su = to_fp16_scale(su0 / g)
-    W_r = rotate(W64, su, sv)
-    L = None
-    if H64 is not None:
-        H_r = rotated_hessian(H64 + damp * float(H64.diagonal().mean()) * torch.eye(
-            H64.shape[0], dtype=torch.float64, device=dev), su)
-        L = block_ldl(H_r)
-    states, Q, counters = ldlq(ring, W_r, L, exact)
-    trellis = pack_states(states, K)
-    weight = EXL3Weight(trellis, su, sv, codebook, None, name)
-    error = proxy_error(W64, weight.dense(torch.float64), H64)
+        gs = [scale] * len(fresh)
+    for (job, _), s, g in zip(fresh, su0, gs):
+        job.g, job.su = g, to_fp16_scale(s / g)
+
+
+def _finish(job: _Job, trellis: torch.Tensor, Q: torch.Tensor, codebook: str, refit: bool, name: str):
+    """(weight, proxy error, init kept, refit gain): the encoding, its refit when better, init when not worse."""
+    weight = EXL3Weight(trellis, job.su, job.sv, codebook, None, name)
+    error = proxy_error(job.W, weight.dense(torch.float64), job.H)
+    gain = 1.0
     if refit:
-        A = hadamard_blockwise(left_hadamard(Q))
-        su_f, sv_f = refit_scales(A, su, sv, W64, H64)
-        refitted = EXL3Weight(trellis, to_fp16_scale(su_f), to_fp16_scale(sv_f), codebook, None, name)
-        refit_error = proxy_error(W64, refitted.dense(torch.float64), H64)
-        counters["refit_gain"] = error / refit_error if refit_error > 0 else float("inf")
+        su, sv = refit_scales(hadamard_blockwise(left_hadamard(Q)), job.su, job.sv, job.W, job.H)
+        refitted = EXL3Weight(trellis, to_fp16_scale(su), to_fp16_scale(sv), codebook, None, name)
+        refit_error = proxy_error(job.W, refitted.dense(torch.float64), job.H)
+        gain = error / refit_error if refit_error > 0 else float("inf")
         if refit_error < error:
             weight, error = refitted, refit_error
-    kept_init = False
-    if init is not None:
-        init_error = proxy_error(W64, init.to(dev).dense(torch.float64), H64)
+    if job.init is not None:
+        init = job.init.to(job.W.device)
+        init_error = proxy_error(job.W, init.dense(torch.float64), job.H)
         if init_error <= error:
-            weight, error, kept_init = init.to(dev), init_error, True
-    stats = QuantStats(error, time.perf_counter() - start, K, codebook, g, shift, counters,
-                       Q.to(torch.float16) if keep_inner else None, kept_init)
-    return weight, stats
+            return init, init_error, True, gain
+    return weight, error, False, gain

@@ -6,7 +6,6 @@ from functools import lru_cache
 
 import torch
 
-from ..format.bitstream import matrix_to_tiles, tiles_to_matrix
 from ..format.codebook import codebook_table
 from .ring_search import RingResult, free_cost, search_ring
 from .trellis import Ring, format_ring
@@ -44,11 +43,3 @@ def quantize_tiles(ring: Ring, targets: torch.Tensor, exact: bool = True) -> Rin
 def free_tile_cost(ring: Ring, targets: torch.Tensor) -> torch.Tensor:
     step = chunk_tiles(ring, targets.device)
     return torch.cat([free_cost(ring, targets[i:i + step]) for i in range(0, targets.shape[0], step)])
-
-
-def quantize_strip(ring: Ring, strip: torch.Tensor, exact: bool = True):
-    """A [16, n] strip -> (states [n/16, 256], reconstruction [16, n] float64, RingResult)."""
-    targets = matrix_to_tiles(strip)[0].to(torch.float32)
-    result = quantize_tiles(ring, targets, exact)
-    values = ring.values[result.states].to(torch.float64)
-    return result.states, tiles_to_matrix(values[None]), result
