@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from exl3moe import EXL3Weight
-from exl3moe.quant import proxy_error, quantize_weight
+from exl3moe.quant import proxy_error, quantize_weight, quantize_weights
 
 # issue #48, exllamav3 1.6.5 on 1024x768 iid Gaussian weights, H from 8192 iid Gaussian rows (in / rows = 1/8)
 EXLLAMAV3_GAUSSIAN_MCG_K4 = 0.00425
@@ -73,3 +73,15 @@ def test_half_rate_mul1_without_hessian():
     E = weight.dense(torch.float64) - W
     assert stats.proxy_error == pytest.approx(float(E.square().sum() / W.square().sum()), rel=1e-9)
     assert 0.97 * 2.0 ** -5 <= stats.proxy_error <= 1.15 * 2.0 ** -5  # identity H: no LDLQ gain below the Gaussian bound
+
+
+def test_a_batch_encodes_each_weight_as_alone():
+    W0, H0 = gaussian_case(seed=7)
+    W1, H1 = gaussian_case(seed=8)
+    options = dict(K=3, codebook="3inst", scale_tiles=2)
+    batch = quantize_weights([W0, W1], [H0, H1], seed=4, **options)
+    alone = [quantize_weight(W0, H0, seed=4, **options), quantize_weight(W1, H1, seed=5, **options)]
+    for (wb, sb), (wa, sa) in zip(batch, alone):
+        assert torch.equal(wb.trellis, wa.trellis)
+        assert torch.equal(wb.suh, wa.suh) and torch.equal(wb.svh, wa.svh)
+        assert sb.proxy_error == sa.proxy_error
