@@ -7,6 +7,7 @@ s(p+1). A pass keeps, per tile, the best cost of every node and updates it with 
 
 from __future__ import annotations
 
+import os
 from functools import cached_property
 
 import torch
@@ -14,6 +15,8 @@ import torch
 from ..format.bitstream import state_ends
 
 INF = float("inf")
+# "auto": Triton passes on CUDA, torch elsewhere; "torch" or "triton" force one (EXL3MOE_QUANT_BACKEND).
+BACKEND = os.environ.get("EXL3MOE_QUANT_BACKEND", "auto")
 
 
 class Ring:
@@ -72,7 +75,7 @@ def _squared_error(values: torch.Tensor, target: torch.Tensor, out: torch.Tensor
     return out.square_()
 
 
-def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
+def _forward_torch(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
             keep_from: int | None = None):
     """Viterbi over positions start .. start+count-1 (mod T) from node costs `init` [B, 2^(L-D(start))].
 
@@ -95,7 +98,7 @@ def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: tor
     return m, inputs
 
 
-def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):
+def _backward_torch(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):
     """Best costs of positions start .. start+count-1 from each node before `start`, given `final` [B, nodes] the
     cost of the node after the last position. Returns (costs [B, 2^(L-D(start))], inputs): inputs[i] is the
     node-cost vector after step i that step i was computed from (all steps if keep, else None)."""
@@ -116,7 +119,7 @@ def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: t
     return g, (inputs if keep else None)
 
 
-def trace_forward(ring: Ring, targets: torch.Tensor, inputs: list, start: int, count: int,
+def _trace_forward_torch(ring: Ring, targets: torch.Tensor, inputs: list, start: int, count: int,
                   first_node: torch.Tensor):
     """Follow a backward pass from `first_node` [B] (the node before `start`), choosing at each step the symbol of
     least cost again; returns (states [B, count], node after the last position)."""
@@ -137,7 +140,7 @@ def trace_forward(ring: Ring, targets: torch.Tensor, inputs: list, start: int, c
     return states, node
 
 
-def traceback(ring: Ring, targets: torch.Tensor, inputs: list, start: int, count: int, last_node: torch.Tensor,
+def _traceback_torch(ring: Ring, targets: torch.Tensor, inputs: list, start: int, count: int, last_node: torch.Tensor,
               stop: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk a forward pass back from `last_node` [B] over steps count-1 .. stop, choosing at each step the state of
     least cost again; returns (states [B, count - stop] in step order, node before step `stop`)."""
@@ -156,6 +159,53 @@ def traceback(ring: Ring, targets: torch.Tensor, inputs: list, start: int, count
         states[:, i - stop] = state
         node = state >> D
     return states, node
+
+
+def uses_triton(ring: Ring, targets: torch.Tensor) -> bool:
+    """Triton passes for float32 rings: on CUDA unless BACKEND is "torch"; anywhere when it is "triton"."""
+    if ring.dtype != torch.float32 or BACKEND == "torch":
+        return False
+    return BACKEND == "triton" or targets.is_cuda
+
+
+def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
+            keep_from: int | None = None):
+    """Viterbi over positions start .. start+count-1 (mod T) from node costs `init` [B, 2^(L-D(start))].
+
+    Returns (costs of the nodes after the last position, kept inputs for traceback or None).
+    """
+    if uses_triton(ring, targets):
+        from . import trellis_triton
+        return trellis_triton.forward(ring, targets, start, count, init, keep_from)
+    return _forward_torch(ring, targets, start, count, init, keep_from)
+
+
+def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):
+    """Best costs of positions start .. start+count-1 from each node before `start` given `final`, the cost of
+    each node after the last position; returns (costs [B, 2^(L-D(start))], kept inputs for trace_forward or None).
+    """
+    if uses_triton(ring, targets):
+        from . import trellis_triton
+        return trellis_triton.backward(ring, targets, start, count, final, keep)
+    return _backward_torch(ring, targets, start, count, final, keep)
+
+
+def traceback(ring: Ring, targets: torch.Tensor, inputs, start: int, count: int, last_node: torch.Tensor,
+              stop: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Walk a forward pass back from `last_node` over steps count-1 .. stop: (states in step order, node before
+    step `stop`)."""
+    if not isinstance(inputs, list):
+        from . import trellis_triton
+        return trellis_triton.traceback(ring, targets, inputs, start, count, last_node, stop)
+    return _traceback_torch(ring, targets, inputs, start, count, last_node, stop)
+
+
+def trace_forward(ring: Ring, targets: torch.Tensor, inputs, start: int, count: int, first_node: torch.Tensor):
+    """Follow a backward pass from `first_node` (the node before `start`): (states, node after the last)."""
+    if not isinstance(inputs, list):
+        from . import trellis_triton
+        return trellis_triton.trace_forward(ring, targets, inputs, start, count, first_node)
+    return _trace_forward_torch(ring, targets, inputs, start, count, first_node)
 
 
 def one_hot_start(ring: Ring, nodes: torch.Tensor) -> torch.Tensor:
