@@ -72,3 +72,35 @@ def test_format_ring_steps_match_torch(monkeypatch, codebook, K):
     start_costs = torch.rand(1, ring.node_count, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     torch_out, triton_out = _both(monkeypatch, lambda: trellis.forward(ring, targets, 254, 3, start_costs)[0])
     assert torch.equal(torch_out, triton_out)
+
+
+PASS_SIGNATURE = {"targets": "*fp32", "values": "*fp32", "steps": "*i32", "hist": "*fp32", "T": "i32", "start": "i32",
+                  "count": "i32", "slots": "i32", "stride_tile": "i64", "stride_slot": "i64"}
+
+
+@pytest.mark.parametrize("name", ["_forward_kernel", "_backward_kernel"])
+def test_passes_compile_for_sm90_without_fused_multiply_add(name):
+    """Compiled by Triton's own ptxas for the H200: plain mul/add (the torch bits), one barrier per step, history
+    loads from L2."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from exl3moe.quant import trellis_triton
+
+    kernel_fn = getattr(trellis_triton, name)
+    kernel_fn = kernel_fn if isinstance(kernel_fn, JITFunction) else JITFunction(kernel_fn.fn)  # interpreter's wrapper
+    signature = dict(PASS_SIGNATURE, L="constexpr", BLOCK="constexpr")
+    source = ASTSource(kernel_fn, signature, {"L": 16, "BLOCK": trellis_triton.BLOCK})
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                                options={"num_warps": trellis_triton.WARPS, "enable_fp_fusion": False})
+    except RuntimeError as err:
+        if "ptxas" in str(err).lower() and "not found" in str(err).lower():
+            pytest.skip(f"no ptxas for sm_90 here: {err}")
+        raise
+    ptx = kernel.asm["ptx"]
+    assert "fma.rn.f32" not in ptx
+    assert ptx.count("bar.sync") == 1
+    assert "ld.global.cg" in ptx

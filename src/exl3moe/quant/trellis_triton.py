@@ -2,6 +2,7 @@
 
 Node costs live in a per-tile history (every step's input kept, or two slots reused); a program evaluates each
 step's 2^L states in blocks and meets its own threads at a barrier before the next step reads what this one wrote.
+History loads bypass L1 (.cg): what another thread stored before the barrier is read from L2.
 The float operations are those of the torch passes (subtract, multiply, add, minimum; no fused multiply-add), so
 both give the same bits, and traceback recomputes a choice from the stored costs as the torch traceback does.
 """
@@ -46,7 +47,7 @@ def _forward_kernel(targets, values, steps, hist, T, start, count, slots, stride
             for high in range(0, 1 << E):
                 state = (high << (L - E)) | node
                 d = tl.load(values + state, mask=live, other=0.0) - w
-                cost = d * d + tl.load(before + (state >> D), mask=live, other=0.0)
+                cost = d * d + tl.load(before + (state >> D), mask=live, other=0.0, cache_modifier=".cg")
                 best = tl.minimum(best, cost)
             tl.store(after + node, best, mask=live)
         tl.debug_barrier()
@@ -74,7 +75,7 @@ def _backward_kernel(targets, values, steps, hist, T, start, count, slots, strid
             for symbol in range(0, 1 << D):
                 state = (node << D) | symbol
                 d = tl.load(values + state, mask=live, other=0.0) - w
-                cost = d * d + tl.load(after + (state & low), mask=live, other=0.0)
+                cost = d * d + tl.load(after + (state & low), mask=live, other=0.0, cache_modifier=".cg")
                 best = tl.minimum(best, cost)
             tl.store(before + node, best, mask=live)
         tl.debug_barrier()
