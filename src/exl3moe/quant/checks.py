@@ -14,6 +14,8 @@ from ..format.weight import EXL3Weight
 ASYMMETRY_LIMIT = 1e-3
 # A Hessian whose smallest eigenvalue is below -NEGATIVE_LIMIT x mean(diag H) is refused; above it, it is shifted.
 NEGATIVE_LIMIT = 0.1
+# H + PSD_RIDGE x mean(diag H) x I that has a Cholesky factor counts as positive semidefinite (no shift).
+PSD_RIDGE = 1e-12
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -66,14 +68,15 @@ def symmetric_psd_hessian(H: torch.Tensor, name: str = "H") -> tuple[torch.Tenso
     mean_diag = float(H.diagonal().mean())
     if mean_diag <= 0:
         raise ContractError(name, f"mean diagonal {mean_diag:.3g} <= 0: not a Hessian X^T X / rows")
+    eye = torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
+    if int(torch.linalg.cholesky_ex(H + PSD_RIDGE * mean_diag * eye)[1]) == 0:
+        return H, 0.0  # positive semidefinite up to rounding: no eigen decomposition needed
     lowest = float(torch.linalg.eigvalsh(H)[0])
     if lowest < -NEGATIVE_LIMIT * mean_diag:
         raise ContractError(name, f"is not positive semidefinite: smallest eigenvalue {lowest:.3g} is below "
                                   f"-{NEGATIVE_LIMIT} x mean diagonal ({mean_diag:.3g})")
     shift = max(0.0, -lowest)
-    if shift:
-        H = H + shift * torch.eye(H.shape[0], dtype=H.dtype, device=H.device)
-    return H, shift
+    return H + shift * eye, shift
 
 
 def resolve_device(device, W: torch.Tensor) -> torch.device:
