@@ -21,9 +21,9 @@ def _w(k=128, n=128, seed=0):
     return torch.randn(k, n, generator=torch.Generator().manual_seed(seed))
 
 
-def _refused(name, match, *args, **kwargs):
+def _refused(name, match, *args, call=encoder.quantize_weight, **kwargs):
     with pytest.raises(ContractError, match=match) as err:
-        encoder.quantize_weight(*args, **kwargs)
+        call(*args, **kwargs)
     assert err.value.name == name
 
 
@@ -90,10 +90,22 @@ def test_slightly_indefinite_or_asymmetric_hessian_is_regularised():
     assert float(torch.linalg.eigvalsh(fixed)[0]) >= -1e-9
 
 
+def test_batches_of_mixed_shapes_or_lengths():
+    batch = encoder.quantize_weights
+    _refused("Ws", "non-empty list", [], call=batch)
+    _refused("W[1]", "differs from the first", [_w(), _w(256, 128)], call=batch)
+    _refused("Hs", "list of 2", [_w(), _w(seed=1)], [torch.eye(128)], call=batch)
+    asymmetric = torch.eye(128)
+    asymmetric[0, 9] = 1.0
+    _refused("H[1]", "not symmetric", [_w(), _w(seed=1)], [torch.eye(128), asymmetric], call=batch)
+
+
 def test_bad_options():
     W = _w()
     _refused("damp", "number >= 0", W, damp=-1)
     _refused("scale", "positive finite", W, scale=0.0)
+    _refused("scale_tiles", "integer >= 1", W, scale_tiles=0)
+    _refused("sweeps", "integer >= 0", W, sweeps=1.5)
     _refused("device", "not a torch device", W, device="gpu7")
     _refused("init", "EXL3Weight", W, init=torch.zeros(3))
     _refused("init", "K=4", W, K=3, init=random_weight(128, 128, K=4, codebook="mcg"))

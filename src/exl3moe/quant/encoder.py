@@ -91,7 +91,7 @@ def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: s
     better). sweeps: block coordinate descent sweeps after LDLQ. keep_inner: the searched W_inner kept in the stats.
     """
     start = time.perf_counter()
-    dev, hessians, inits = check_call(Ws, Hs, inits, K, codebook, device, damp, scale)
+    dev, hessians, inits = check_call(Ws, Hs, inits, K, codebook, device, damp, scale, scale_tiles, sweeps)
     names = [f"weight{i}" for i in range(len(Ws))] if names is None else names
     jobs = [_Job(W.to(dev, torch.float64), H64, shift, init) for W, (H64, shift), init in zip(Ws, hessians, inits)]
     ring = tile_ring(K, codebook, dev)
@@ -100,9 +100,8 @@ def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: s
     for job in jobs:
         job.W_r = rotate(job.W, job.su, job.sv)
         if job.H is not None:
-            damped = job.H + damp * float(job.H.diagonal().mean()) * torch.eye(job.H.shape[0], dtype=torch.float64,
-                                                                                 device=dev)
-            job.H_r = rotated_hessian(damped, job.su)
+            ridge = damp * float(job.H.diagonal().mean())
+            job.H_r = rotated_hessian(job.H + ridge * torch.eye(job.H.shape[0], dtype=job.H.dtype, device=dev), job.su)
             job.L = block_ldl(job.H_r)
     states, Qs, counters = ldlq(ring, [j.W_r for j in jobs], [j.L for j in jobs], exact)
     for _ in range(sweeps):
