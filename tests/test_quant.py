@@ -5,20 +5,12 @@ import torch
 
 from exl3moe import EXL3Weight
 from exl3moe.quant import proxy_error, quantize_weight, quantize_weights
+from test_quant_search import one_thread  # noqa: F401 (autouse: the quant tests run on one CPU thread)
 
 # issue #48, exllamav3 1.6.5 on 1024x768 iid Gaussian weights, H from 8192 iid Gaussian rows (in / rows = 1/8)
 EXLLAMAV3_GAUSSIAN_MCG_K4 = 0.00425
 # Reduced case: 128x128 with H from 1024 rows (the same in / rows); its expected error is the issue's figure.
 K_IN, N_OUT, ROWS = 128, 128, 1024
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The search runs many small ops; on a shared CPU, thread hand-offs cost more than they bring."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def gaussian_case(seed=0):

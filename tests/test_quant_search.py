@@ -10,7 +10,7 @@ from exl3moe.quant.tiles import quantize_tiles, tile_ring
 from exl3moe.quant.trellis import Ring, path_cost, ring_consistent
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """The search runs many small ops; on a shared CPU, thread hand-offs cost more than they bring."""
     threads = torch.get_num_threads()

@@ -8,18 +8,11 @@ import torch
 from exl3moe.quant import trellis
 from exl3moe.quant.ring_search import search_ring
 from exl3moe.quant.tiles import tile_ring
+from test_quant_search import one_thread  # noqa: F401 (autouse: the quant tests run on one CPU thread)
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                 reason="Triton needs a GPU or TRITON_INTERPRET=1")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _both(monkeypatch, run):
@@ -79,7 +72,7 @@ PASS_SIGNATURE = {"targets": "*fp32", "values": "*fp32", "steps": "*i32", "hist"
 
 
 @pytest.mark.parametrize("name", ["_forward_kernel", "_backward_kernel"])
-def test_passes_compile_for_sm90_without_fused_multiply_add(name):
+def test_passes_compile_for_sm90_without_fused_multiply_add(monkeypatch, name):
     """Compiled by Triton's own ptxas for the H200: plain mul/add (the torch bits), one barrier per step, history
     loads from L2."""
     import triton
@@ -89,8 +82,11 @@ def test_passes_compile_for_sm90_without_fused_multiply_add(name):
 
     from exl3moe.quant import trellis_triton
 
-    kernel_fn = getattr(trellis_triton, name)
-    kernel_fn = kernel_fn if isinstance(kernel_fn, JITFunction) else JITFunction(kernel_fn.fn)  # interpreter's wrapper
+    def compiled(fn):  # under TRITON_INTERPRET=1 the module holds interpreter wrappers
+        return fn if isinstance(fn, JITFunction) else JITFunction(fn.fn)
+
+    monkeypatch.setattr(trellis_triton, "_step", compiled(trellis_triton._step))
+    kernel_fn = compiled(getattr(trellis_triton, name))
     signature = dict(PASS_SIGNATURE, L="constexpr", BLOCK="constexpr")
     source = ASTSource(kernel_fn, signature, {"L": 16, "BLOCK": trellis_triton.BLOCK})
     try:

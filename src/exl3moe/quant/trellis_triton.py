@@ -28,15 +28,19 @@ def _steps(ring: Ring, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def _step(targets, steps, tile, T, start, i):
+    """Position, bits D of the position, bits E of the next, and the tile's target there."""
+    p = (start + i) % T
+    return p, tl.load(steps + p), tl.load(steps + (p + 1) % T), tl.load(targets + tile * T + p)
+
+
+@triton.jit
 def _forward_kernel(targets, values, steps, hist, T, start, count, slots, stride_tile, stride_slot,
                     L: tl.constexpr, BLOCK: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     base = hist + tile * stride_tile
     for i in range(count):
-        p = (start + i) % T
-        D = tl.load(steps + p)
-        E = tl.load(steps + (p + 1) % T)
-        w = tl.load(targets + tile * T + p)
+        p, D, E, w = _step(targets, steps, tile, T, start, i)
         before = base + (i % slots) * stride_slot
         after = base + ((i + 1) % slots) * stride_slot
         nodes = 1 << (L - E)
@@ -60,10 +64,7 @@ def _backward_kernel(targets, values, steps, hist, T, start, count, slots, strid
     base = hist + tile * stride_tile
     for j in range(count):
         i = count - 1 - j
-        p = (start + i) % T
-        D = tl.load(steps + p)
-        E = tl.load(steps + (p + 1) % T)
-        w = tl.load(targets + tile * T + p)
+        p, D, E, w = _step(targets, steps, tile, T, start, i)
         after = base + ((i + 1) % slots) * stride_slot
         before = base + (i % slots) * stride_slot
         nodes = 1 << (L - D)
@@ -90,10 +91,7 @@ def _traceback_kernel(targets, values, steps, hist, last_node, states, T, start,
     high = tl.arange(0, ARG_BLOCK)
     for j in range(count - stop):
         i = count - 1 - j
-        p = (start + i) % T
-        D = tl.load(steps + p)
-        E = tl.load(steps + (p + 1) % T)
-        w = tl.load(targets + tile * T + p)
+        p, D, E, w = _step(targets, steps, tile, T, start, i)
         live = high < (1 << E)
         option = (high << (L - E)) | node
         d = tl.load(values + option, mask=live, other=0.0) - w
@@ -112,10 +110,7 @@ def _trace_forward_kernel(targets, values, steps, hist, first_node, states, T, s
     node = tl.load(first_node + tile).to(tl.int32)
     symbol = tl.arange(0, ARG_BLOCK)
     for i in range(count):
-        p = (start + i) % T
-        D = tl.load(steps + p)
-        E = tl.load(steps + (p + 1) % T)
-        w = tl.load(targets + tile * T + p)
+        p, D, E, w = _step(targets, steps, tile, T, start, i)
         live = symbol < (1 << D)
         option = (node << D) | symbol
         d = tl.load(values + option, mask=live, other=0.0) - w
