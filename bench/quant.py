@@ -60,7 +60,7 @@ def run_case(case, codebook, K, W, H, variant, options):
 
 
 VARIANTS = {"default": {}, "no_out_scales": {"out_scales": False}, "damp_0.01": {"damp": 0.01},
-            "inexact": {"exact": False}, "sweep": {"sweeps": 1}}
+            "inexact": {"exact": False}, "sweep": {"sweeps": 1}, "rms_scales": {"channel_power": 1.0}}
 
 
 def timed(fn):
@@ -129,7 +129,8 @@ def main():
     ap.add_argument("--cases", nargs="+", default=["gaussian", "heavy"])
     ap.add_argument("--K", nargs="+", type=float, default=[2, 3, 4, 5])
     ap.add_argument("--codebooks", nargs="+", default=["mcg", "mul1", "3inst"])
-    ap.add_argument("--variants", nargs="+", default=["default"], choices=sorted(VARIANTS))
+    ap.add_argument("--variants", nargs="+", default=["default", "rms_scales"], choices=sorted(VARIANTS),
+                    help="rms_scales: channel scales by RMS (exllamav3's choice) instead of (RMS^2 / diag H)^(1/4)")
     ap.add_argument("--merge", action="store_true", help="keep the file's entries this run does not replace")
     ap.add_argument("--no-scaling", action="store_true", help="skip the backend and scaling timings")
     ap.add_argument("--experts", type=int, default=128, help="experts of the MoE layer timing (0: skip it)")

@@ -78,3 +78,16 @@ def test_a_batch_encodes_each_weight_as_alone():
         assert torch.equal(wb.trellis, wa.trellis)
         assert torch.equal(wb.suh, wa.suh) and torch.equal(wb.svh, wa.svh)
         assert sb.proxy_error == sa.proxy_error
+
+
+def test_channel_scales_follow_the_hessian_on_skewed_weights():
+    """Rows of log-normal size and inputs of log-normal scale: scales (RMS^2 / diag H)^(1/4) beat RMS scaling."""
+    g = torch.Generator().manual_seed(11)
+    W = torch.randn(K_IN, N_OUT, generator=g, dtype=torch.float64) * torch.randn(K_IN, 1, generator=g,
+                                                                               dtype=torch.float64).exp()
+    X = torch.randn(ROWS, K_IN, generator=g, dtype=torch.float64) * (0.7 * torch.randn(K_IN, generator=g,
+                                                                                     dtype=torch.float64)).exp()
+    H = X.T @ X / ROWS
+    errors = {p: quantize_weight(W, H, K=4, codebook="mcg", scale_tiles=4, channel_power=p)[1].proxy_error
+              for p in (0.5, 1.0)}
+    assert errors[0.5] < 0.7 * errors[1.0]

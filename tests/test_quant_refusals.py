@@ -106,6 +106,7 @@ def test_bad_options():
     _refused("scale", "positive finite", W, scale=0.0)
     _refused("scale_tiles", "integer >= 1", W, scale_tiles=0)
     _refused("sweeps", "integer >= 0", W, sweeps=1.5)
+    _refused("channel_power", "in \\[0, 2\\]", W, channel_power=-1)
     _refused("device", "not a torch device", W, device="gpu7")
     _refused("init", "EXL3Weight", W, init=torch.zeros(3))
     _refused("init", "K=4", W, K=3, init=random_weight(128, 128, K=4, codebook="mcg"))

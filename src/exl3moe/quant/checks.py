@@ -104,7 +104,7 @@ def _listed(value, count: int, name: str) -> list:
     return list(value)
 
 
-def check_call(Ws, Hs, inits, K, codebook, device, damp, scale, scale_tiles=1, sweeps=0) -> tuple:
+def check_call(Ws, Hs, inits, K, codebook, device, damp, scale, scale_tiles=1, sweeps=0, channel_power=0.5) -> tuple:
     """Every refusal of quantize_weights; returns the device, each weight's (float64 PSD H or None, shift) and
     the inits (None for each when not given)."""
     check_rate(K, codebook)
@@ -126,6 +126,8 @@ def check_call(Ws, Hs, inits, K, codebook, device, damp, scale, scale_tiles=1, s
         raise ContractError("damp", f"must be a number >= 0, got {damp!r}")
     if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale < float("inf")):
         raise ContractError("scale", f"must be a positive finite number or None, got {scale!r}")
+    if isinstance(channel_power, bool) or not isinstance(channel_power, (int, float)) or not 0 <= channel_power <= 2:
+        raise ContractError("channel_power", f"must be a number in [0, 2], got {channel_power!r}")
     for name, value, least in (("scale_tiles", scale_tiles, 1), ("sweeps", sweeps, 0)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ContractError(name, f"must be an integer >= {least}, got {value!r}")

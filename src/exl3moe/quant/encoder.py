@@ -17,13 +17,14 @@ from ..format.weight import EXL3Weight
 from .checks import check_call
 from .ldlq import block_ldl, ldlq, refine
 from .refit import refit_scales
-from .rotation import (channel_rms, divide_channels, left_hadamard, output_scales, random_signs, rotate,
-                       rotated_hessian, to_fp16_scale)
+from .rotation import (divide_channels, input_scales, left_hadamard, output_scales, rotate, rotated_hessian,
+                       to_fp16_scale)
 from .scale_search import global_scales
 from .tiles import tile_ring
 
 DAMP = 0.025          # H + DAMP x mean(diag H) x I before the LDL (the proxy error uses H undamped)
 SCALE_TILES = 64      # tiles of each weight the global scale search quantizes at each trial scale
+CHANNEL_POWER = 0.5   # channel scale magnitudes (RMS^2 / relative diag H)^(power/2), docs/quant.md
 
 
 @dataclass
@@ -81,22 +82,24 @@ def quantize_weight(W: torch.Tensor, H: torch.Tensor | None = None, K: float = 4
 def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: str = "mcg", seed: int = 0,
                      device=None, *, inits: list | None = None, names: list | None = None, damp: float = DAMP,
                      scale: float | None = None, scale_tiles: int = SCALE_TILES, out_scales: bool = True,
-                     exact: bool = True, refit: bool = True, sweeps: int = 0,
+                     channel_power: float = CHANNEL_POWER, exact: bool = True, refit: bool = True, sweeps: int = 0,
                      keep_inner: bool = False) -> list[tuple[EXL3Weight, QuantStats]]:
     """Encode weights of one shape together (each with its own Hessian, scales and seed seed + index).
 
     damp: the LDL factors H + damp x mean(diag H) x I. scale: a fixed global scale instead of the search on
-    `scale_tiles` tiles per weight. out_scales: output channels scaled by their RMS (else signs only).
+    `scale_tiles` tiles per weight. channel_power: channel scales (RMS^2 / relative diag H)^(power/2) (docs/quant.md);
+    out_scales=False: output channels get signs only.
     exact=False skips the search of other seams. refit: the channel scales re-solved for the final trellis (kept when
     better). sweeps: block coordinate descent sweeps after LDLQ. keep_inner: the searched W_inner kept in the stats.
     """
     start = time.perf_counter()
-    dev, hessians, inits = check_call(Ws, Hs, inits, K, codebook, device, damp, scale, scale_tiles, sweeps)
+    dev, hessians, inits = check_call(Ws, Hs, inits, K, codebook, device, damp, scale, scale_tiles, sweeps,
+                                              channel_power)
     names = [f"weight{i}" for i in range(len(Ws))] if names is None else names
     jobs = [_Job(W.to(dev, torch.float64), H64, shift, init) for W, (H64, shift), init in zip(Ws, hessians, inits)]
     ring = tile_ring(K, codebook, dev)
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(jobs))]
-    _choose_scales(ring, jobs, generators, out_scales, scale, scale_tiles)
+    _choose_scales(ring, jobs, generators, out_scales, channel_power, scale, scale_tiles)
     for job in jobs:
         job.W_r = rotate(job.W, job.su, job.sv)
         if job.H is not None:
@@ -118,7 +121,7 @@ def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: s
     return [tuple(pair) for pair in out]
 
 
-def _choose_scales(ring, jobs, generators, out_scales, scale, scale_tiles) -> None:
+def _choose_scales(ring, jobs, generators, out_scales, channel_power, scale, scale_tiles) -> None:
     """su, sv and g of every job: from init, or random signs x channel RMS and the global scale search."""
     fresh = [(job, gen) for job, gen in zip(jobs, generators) if job.init is None]
     for job in jobs:
@@ -126,9 +129,8 @@ def _choose_scales(ring, jobs, generators, out_scales, scale, scale_tiles) -> No
             job.su, job.sv = job.init.suh.to(job.W.device), job.init.svh.to(job.W.device)
     su0 = []
     for job, gen in fresh:
-        job.sv = output_scales(job.W, gen, out_scales)
-        rows = channel_rms(hadamard_blockwise(divide_channels(job.W, job.sv, 1)), 1)
-        su0.append(random_signs(job.W.shape[0], gen, job.W.device) * rows)
+        job.sv = output_scales(job.W, gen, channel_power if out_scales else 0.0)
+        su0.append(input_scales(hadamard_blockwise(divide_channels(job.W, job.sv, 1)), job.H, gen, channel_power))
     if scale is None and fresh:
         gs = global_scales(ring, [rotate(job.W, s, job.sv) for (job, _), s in zip(fresh, su0)], scale_tiles,
                            [gen for _, gen in fresh])

@@ -29,14 +29,26 @@ def to_fp16_scale(scale: torch.Tensor) -> torch.Tensor:
     return torch.where(scale == 0, 0.0, magnitude * scale.sign()).to(torch.float16)
 
 
-def output_scales(W: torch.Tensor, generator: torch.Generator, use_rms: bool) -> torch.Tensor:
-    """sv: random signs, times each column's RMS over the mean column RMS; zero columns get 0."""
-    signs = random_signs(W.shape[1], generator, W.device)
-    rms = channel_rms(W, 0)
-    if not use_rms:
-        return to_fp16_scale(torch.where(rms > 0, signs, 0.0))
-    mean = rms[rms > 0].mean() if bool((rms > 0).any()) else torch.ones((), dtype=W.dtype, device=W.device)
-    return to_fp16_scale(signs * rms / mean)
+def _relative(x: torch.Tensor) -> torch.Tensor:
+    """x over the mean of its positive entries (x itself when none is positive)."""
+    positive = x > 0
+    return x / x[positive].mean() if bool(positive.any()) else x
+
+
+def output_scales(W: torch.Tensor, generator: torch.Generator, power: float) -> torch.Tensor:
+    """sv: random signs x (column RMS / mean column RMS)^power; zero columns get 0."""
+    rms = _relative(channel_rms(W, 0))
+    return to_fp16_scale(random_signs(W.shape[1], generator, W.device) * torch.where(rms > 0, rms, 0.0) ** power)
+
+
+def input_scales(W_cols: torch.Tensor, H: torch.Tensor | None, generator: torch.Generator,
+                 power: float) -> torch.Tensor:
+    """su before the global scale: random signs x (row RMS^2 / relative diag H)^(power/2) of W_cols = W diag(1/sv) Hn;
+    zero rows get 0. Rows that H weighs more get finer steps."""
+    rms = _relative(channel_rms(W_cols, 1))
+    weight = torch.ones_like(rms) if H is None else _relative(H.diagonal().clamp(min=0)).clamp(min=1e-6)
+    magnitude = torch.where(rms > 0, (rms.square() / weight) ** (power / 2), 0.0)
+    return random_signs(W_cols.shape[0], generator, W_cols.device) * magnitude
 
 
 def divide_channels(W: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
