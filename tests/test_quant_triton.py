@@ -38,7 +38,7 @@ def test_passes_and_tracebacks_match_torch(monkeypatch, steps):
     end_costs = torch.randn(3, 1 << ring.node_bits(T + 2), generator=torch.Generator().manual_seed(2)).to(DEVICE)
 
     def run():
-        m, kept = trellis.forward(ring, targets, 5, T, start_costs, keep_from=0)
+        m, kept = trellis.forward(ring, targets, 5, T, start_costs, keep=True)
         back_states, back_node = trellis.traceback(ring, targets, kept, 5, T, m.argmin(-1), stop=3)
         free, _ = trellis.forward(ring, targets, 1, T - 2, torch.zeros(3, 1 << (8 - ring.D(1)), device=DEVICE))
         g, kept_b = trellis.backward(ring, targets, 3, T, end_costs, keep=True)

@@ -37,7 +37,7 @@ def free_cost(ring: Ring, targets: torch.Tensor) -> torch.Tensor:
 
 def forced_seam(ring: Ring, targets: torch.Tensor, seams: torch.Tensor, with_path: bool):
     """Best ring path with the seam node forced to `seams` [B]: (cost [B], states [B, T] or None)."""
-    m, inputs = forward(ring, targets, 0, ring.T, one_hot_start(ring, seams), keep_from=0 if with_path else None)
+    m, inputs = forward(ring, targets, 0, ring.T, one_hot_start(ring, seams), keep=with_path)
     cost = m[torch.arange(seams.shape[0], device=seams.device), seams]
     if not with_path:
         return cost, None
@@ -56,7 +56,7 @@ def bound_paths(ring: Ring, targets: torch.Tensor):
     tail_out, _ = backward(ring, targets, h, T - h, free)
     phi = (tail_out - head_in) / 2
     head, head_inputs = backward(ring, targets, 0, h, phi, keep=True)
-    tail, tail_inputs = forward(ring, targets, h, T - h, -phi, keep_from=0)
+    tail, tail_inputs = forward(ring, targets, h, T - h, -phi, keep=True)
     bounds = head + tail
     seam = bounds.argmin(-1)
     head_states, head_end = trace_forward(ring, targets, head_inputs, 0, h, seam)

@@ -76,11 +76,11 @@ def _squared_error(values: torch.Tensor, target: torch.Tensor, out: torch.Tensor
 
 
 def _forward_torch(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
-            keep_from: int | None = None):
+                   keep: bool = False):
     """Viterbi over positions start .. start+count-1 (mod T) from node costs `init` [B, 2^(L-D(start))].
 
     Returns (costs of the nodes after the last position, inputs): inputs[i] is the node-cost vector that step i
-    started from, kept for steps i >= keep_from (traceback recomputes the step's choice from it), else None.
+    started from, kept if `keep` (traceback recomputes the step's choice from it), else None.
     """
     B = targets.shape[0]
     L = ring.L
@@ -90,12 +90,12 @@ def _forward_torch(ring: Ring, targets: torch.Tensor, start: int, count: int, in
     for i in range(count):
         p = (start + i) % ring.T
         D, E = ring.D(p), ring.D(p + 1)
-        if keep_from is not None and i >= keep_from:
+        if keep:
             inputs[i] = m
         _squared_error(ring.values, targets[:, p, None], cost)
         cost.view(B, 1 << (L - D), 1 << D).add_(m[:, :, None])
         m = cost.view(B, 1 << E, 1 << (L - E)).amin(dim=1)
-    return m, inputs
+    return m, (inputs if keep else None)
 
 
 def _backward_torch(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):
@@ -169,15 +169,15 @@ def uses_triton(ring: Ring, targets: torch.Tensor) -> bool:
 
 
 def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
-            keep_from: int | None = None):
+            keep: bool = False):
     """Viterbi over positions start .. start+count-1 (mod T) from node costs `init` [B, 2^(L-D(start))].
 
     Returns (costs of the nodes after the last position, kept inputs for traceback or None).
     """
     if uses_triton(ring, targets):
         from . import trellis_triton
-        return trellis_triton.forward(ring, targets, start, count, init, keep_from)
-    return _forward_torch(ring, targets, start, count, init, keep_from)
+        return trellis_triton.forward(ring, targets, start, count, init, keep)
+    return _forward_torch(ring, targets, start, count, init, keep)
 
 
 def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):

@@ -140,13 +140,13 @@ def _launch(kernel, ring: Ring, targets: torch.Tensor, history: History, start: 
 
 
 def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
-            keep_from: int | None = None):
+            keep: bool = False):
     """As trellis.forward; returns (final node costs, History or None)."""
-    history = History(ring, targets.shape[0], count, keep_from is not None, targets.device)
+    history = History(ring, targets.shape[0], count, keep, targets.device)
     history.slot(0, init.shape[1]).copy_(init)
     _launch(_forward_kernel, ring, targets.contiguous(), history, start, count, BLOCK)
     final = history.slot(count, 1 << ring.node_bits(start + count - 1)).clone()
-    return final, (history if keep_from is not None else None)
+    return final, (history if keep else None)
 
 
 def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):
