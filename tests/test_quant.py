@@ -91,3 +91,10 @@ def test_channel_scales_follow_the_hessian_on_skewed_weights():
     errors = {p: quantize_weight(W, H, K=4, codebook="mcg", scale_tiles=4, channel_power=p)[1].proxy_error
               for p in (0.5, 1.0)}
     assert errors[0.5] < 0.7 * errors[1.0]
+
+
+def test_a_coordinate_descent_sweep_keeps_only_improvements(encoded_k4):
+    W, H, _, stats = encoded_k4
+    _, swept = quantize_weight(W, H, K=4, codebook="mcg", seed=1, scale_tiles=8, sweeps=1)
+    assert swept.counters["refined_strips"] > 0
+    assert swept.proxy_error <= stats.proxy_error * 1.001

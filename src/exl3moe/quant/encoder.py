@@ -50,9 +50,7 @@ class _Job:
     su: torch.Tensor | None = None
     sv: torch.Tensor | None = None
     g: float = 1.0
-    W_r: torch.Tensor | None = None
     H_r: torch.Tensor | None = None
-    L: torch.Tensor | None = None
 
 
 def proxy_error(W: torch.Tensor, W_hat: torch.Tensor, H: torch.Tensor | None) -> float:
@@ -100,25 +98,37 @@ def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: s
     ring = tile_ring(K, codebook, dev)
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(jobs))]
     _choose_scales(ring, jobs, generators, out_scales, channel_power, scale, scale_tiles)
+    W_r = torch.stack([rotate(job.W, job.su, job.sv) for job in jobs])
     for job in jobs:
-        job.W_r = rotate(job.W, job.su, job.sv)
         if job.H is not None:
             ridge = damp * float(job.H.diagonal().mean())
             job.H_r = rotated_hessian(job.H + ridge * torch.eye(job.H.shape[0], dtype=job.H.dtype, device=dev), job.su)
-            job.L = block_ldl(job.H_r)
-    states, Qs, counters = ldlq(ring, [j.W_r for j in jobs], [j.L for j in jobs], exact)
-    for _ in range(sweeps):
-        counters["refined_strips"] = counters.get("refined_strips", 0) + refine(
-            ring, [j.W_r for j in jobs], Qs, states, [j.H_r for j in jobs], exact)
+    weighted = any(job.H is not None for job in jobs)
+    L = torch.stack([_ldl_or_zeros(job.H_r, W_r) for job in jobs]) if weighted else None
+    states, Q, counters = ldlq(ring, W_r, L, exact)
+    if weighted and sweeps:
+        H_r = torch.stack([_or_identity(j.H_r, W_r) for j in jobs])
+        counters["refined_strips"] = sum(refine(ring, W_r, Q, states, H_r, exact) for _ in range(sweeps))
     out = []
-    for job, st, Q, name in zip(jobs, states, Qs, names):
-        weight, error, kept, gain = _finish(job, pack_states(st, K), Q, codebook, refit, name)
+    for job, st, inner, name in zip(jobs, states, Q, names):
+        weight, error, kept, gain = _finish(job, pack_states(st, K), inner, codebook, refit, name)
         out.append([weight, QuantStats(error, 0.0, K, codebook, job.g, job.shift, dict(counters, refit_gain=gain),
-                                       Q.to(torch.float16) if keep_inner else None, kept)])
+                                       inner.to(torch.float16) if keep_inner else None, kept)])
     seconds = time.perf_counter() - start
     for pair in out:
         pair[1].seconds = seconds
     return [tuple(pair) for pair in out]
+
+
+def _ldl_or_zeros(H_r: torch.Tensor | None, W_r: torch.Tensor) -> torch.Tensor:
+    """The LDL factor of H_r, or zeros (no feedback) for a weight without a Hessian."""
+    k = W_r.shape[1]
+    return torch.zeros(k, k, dtype=W_r.dtype, device=W_r.device) if H_r is None else block_ldl(H_r)
+
+
+def _or_identity(H: torch.Tensor | None, W_r: torch.Tensor) -> torch.Tensor:
+    k = W_r.shape[1]
+    return torch.eye(k, dtype=W_r.dtype, device=W_r.device) if H is None else H
 
 
 def _choose_scales(ring, jobs, generators, out_scales, channel_power, scale, scale_tiles) -> None:

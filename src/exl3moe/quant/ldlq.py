@@ -33,14 +33,14 @@ def block_ldl(H: torch.Tensor) -> torch.Tensor:
     return torch.einsum("rbi,bij->rbj", C.view(k, blocks, TILE), inverse).reshape(k, k)
 
 
-def _search_strips(ring: Ring, targets: list, exact: bool):
-    """Search strip b of every weight in one batch of tiles: targets [16, n] each -> (states, Q rows, result)."""
-    tiles = torch.cat([matrix_to_tiles(t)[0] for t in targets]).to(torch.float32)
-    result = quantize_tiles(ring, tiles, exact)
-    per = targets[0].shape[1] // TILE
-    values = tiles_to_matrix(ring.values[result.states].to(torch.float64).view(len(targets), per, 256)
-                             .reshape(1, -1, 256)).view(TILE, len(targets), -1).transpose(0, 1)
-    return result.states.view(len(targets), per, 256), values, result
+def _search_strips(ring: Ring, targets: torch.Tensor, exact: bool):
+    """Strip b of every weight in one batch of tiles: targets [E, 16, n] -> (states [E, n/16, 256], Q rows
+    [E, 16, n] float64, result)."""
+    E, _, n = targets.shape
+    side_by_side = targets.transpose(0, 1).reshape(TILE, E * n)
+    result = quantize_tiles(ring, matrix_to_tiles(side_by_side)[0].to(torch.float32), exact)
+    values = tiles_to_matrix(ring.values[result.states].to(torch.float64)[None])
+    return result.states.view(E, n // TILE, 256), values.view(TILE, E, n).transpose(0, 1), result
 
 
 def _count(counters: dict, result) -> None:
@@ -48,48 +48,40 @@ def _count(counters: dict, result) -> None:
         counters[key] = counters.get(key, 0) + getattr(result, key)
 
 
-def ldlq(ring: Ring, W_rs: list, Ls: list, exact: bool = True):
-    """Quantize each W_r [k, n] (float64, one shape) with its L (None: H_r = I, no feedback), strips in lockstep.
-
-    Returns (states int64 [k/16, n/16, 256] per weight, Q float64 [k, n] per weight, counters).
-    """
-    k, n = W_rs[0].shape
+def ldlq(ring: Ring, W_r: torch.Tensor, L: torch.Tensor | None, exact: bool = True):
+    """Quantize W_r [E, k, n] (float64) with L [E, k, k] (None: H_r = I, no feedback), strip b of every weight at
+    once. Returns (states int64 [E, k/16, n/16, 256], Q float64 [E, k, n], counters)."""
+    E, k, n = W_r.shape
     strips = k // TILE
-    Qs = [torch.zeros_like(W) for W in W_rs]
-    states = [torch.empty(strips, n // TILE, 256, dtype=torch.int64, device=W.device) for W in W_rs]
+    Q = torch.zeros_like(W_r)
+    states = torch.empty(E, strips, n // TILE, 256, dtype=torch.int64, device=W_r.device)
     counters: dict = {}
     for b in reversed(range(strips)):
         rows, below = slice(b * TILE, (b + 1) * TILE), slice((b + 1) * TILE, k)
-        targets = [W[rows] if L is None or b + 1 == strips else W[rows] + L[below, rows].T @ (W[below] - Q[below])
-                   for W, L, Q in zip(W_rs, Ls, Qs)]
-        found, values, result = _search_strips(ring, targets, exact)
-        for i in range(len(W_rs)):
-            states[i][b], Qs[i][rows] = found[i], values[i]
+        target = W_r[:, rows]
+        if L is not None and b + 1 < strips:
+            target = target + L[:, below, rows].transpose(1, 2) @ (W_r[:, below] - Q[:, below])
+        states[:, b], Q[:, rows], result = _search_strips(ring, target, exact)
         _count(counters, result)
-    return states, Qs, counters
+    return states, Q, counters
 
 
-def refine(ring: Ring, W_rs: list, Qs: list, states: list, H_rs: list, exact: bool = True) -> int:
+def refine(ring: Ring, W_r: torch.Tensor, Q: torch.Tensor, states: torch.Tensor, H_r: torch.Tensor,
+           exact: bool = True) -> int:
     """One sweep of block coordinate descent after LDLQ: each strip is searched again against the target that is
-    optimal given every other strip, and kept where tr(E^T H_r E) falls. Updates Qs, states; returns strips kept."""
-    k = W_rs[0].shape[0]
-    active = [i for i, H in enumerate(H_rs) if H is not None]
+    optimal given every other strip, and kept where tr(E^T H_r E) falls. Updates Q, states; returns strips kept."""
+    k = W_r.shape[1]
     kept = 0
     for b in reversed(range(k // TILE)):
         rows = slice(b * TILE, (b + 1) * TILE)
-        pulls, targets = [], []
-        for i in active:
-            E, block = Qs[i] - W_rs[i], H_rs[i][rows, rows]
-            pulls.append(H_rs[i][rows] @ E - block @ E[rows])
-            targets.append(W_rs[i][rows] - torch.linalg.solve(block, pulls[-1]))
-        if not active:
-            break
-        found, values, _ = _search_strips(ring, targets, exact)
-        for j, i in enumerate(active):
-            block, old_E, new_E = H_rs[i][rows, rows], Qs[i][rows] - W_rs[i][rows], values[j] - W_rs[i][rows]
-            change = ((new_E * (block @ new_E)).sum() - (old_E * (block @ old_E)).sum()
-                      + 2 * ((new_E - old_E) * pulls[j]).sum())
-            if float(change) < 0:
-                Qs[i][rows], states[i][b] = values[j], found[j]
-                kept += 1
+        error, block = Q - W_r, H_r[:, rows, rows]
+        pull = H_r[:, rows] @ error - block @ error[:, rows]
+        found, values, _ = _search_strips(ring, W_r[:, rows] - torch.linalg.solve(block, pull), exact)
+        old, new = error[:, rows], values - W_r[:, rows]
+        change = ((new * (block @ new)).sum((1, 2)) - (old * (block @ old)).sum((1, 2))
+                  + 2 * ((new - old) * pull).sum((1, 2)))
+        better = change < 0
+        Q[:, rows] = torch.where(better[:, None, None], values, Q[:, rows])
+        states[:, b] = torch.where(better[:, None, None], found, states[:, b])
+        kept += int(better.sum())
     return kept
