@@ -1,7 +1,8 @@
 """Triton versions of the trellis passes and tracebacks: one program per tile walks every step of a pass.
 
 Node costs live in a per-tile history (every step's input kept, or two slots reused); a program evaluates each
-step's 2^L states in blocks and meets its own threads at a barrier before the next step reads what this one wrote.
+step's 2^L states in blocks of GROUP predecessors x NODES nodes and meets its own threads at a barrier before the
+next step reads what this one wrote.
 History loads bypass L1 (.cg): what another thread stored before the barrier is read from L2.
 The float operations are those of the torch passes (subtract, multiply, add, minimum; no fused multiply-add), so
 both give the same bits, and traceback recomputes a choice from the stored costs as the torch traceback does.
@@ -15,7 +16,7 @@ import triton.language as tl
 
 from .trellis import Ring
 
-BLOCK = 1024
+STATES = 4096    # states evaluated per iteration: GROUP predecessors (or symbols) x NODES nodes
 WARPS = 8
 ARG_BLOCK = 256  # >= 2^max D: the candidates of one traceback step
 
@@ -36,7 +37,7 @@ def _step(targets, steps, tile, T, start, i):
 
 @triton.jit
 def _forward_kernel(targets, values, steps, hist, T, start, count, slots, stride_tile, stride_slot,
-                    L: tl.constexpr, BLOCK: tl.constexpr):
+                    L: tl.constexpr, GROUP: tl.constexpr, NODES: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     base = hist + tile * stride_tile
     for i in range(count):
@@ -44,22 +45,23 @@ def _forward_kernel(targets, values, steps, hist, T, start, count, slots, stride
         before = base + (i % slots) * stride_slot
         after = base + ((i + 1) % slots) * stride_slot
         nodes = 1 << (L - E)
-        for c in range(0, nodes, BLOCK):
-            node = c + tl.arange(0, BLOCK)
-            live = node < nodes
-            best = tl.full((BLOCK,), float("inf"), tl.float32)
-            for high in range(0, 1 << E):
-                state = (high << (L - E)) | node
+        for c in range(0, nodes, NODES):
+            node = c + tl.arange(0, NODES)
+            best = tl.full((NODES,), float("inf"), tl.float32)
+            for h in range(0, 1 << E, GROUP):
+                high = h + tl.arange(0, GROUP)
+                live = (high[:, None] < (1 << E)) & (node[None, :] < nodes)
+                state = (high[:, None] << (L - E)) | node[None, :]
                 d = tl.load(values + state, mask=live, other=0.0) - w
                 cost = d * d + tl.load(before + (state >> D), mask=live, other=0.0, cache_modifier=".cg")
-                best = tl.minimum(best, cost)
-            tl.store(after + node, best, mask=live)
+                best = tl.minimum(best, tl.min(tl.where(live, cost, float("inf")), axis=0))
+            tl.store(after + node, best, mask=node < nodes)
         tl.debug_barrier()
 
 
 @triton.jit
 def _backward_kernel(targets, values, steps, hist, T, start, count, slots, stride_tile, stride_slot,
-                     L: tl.constexpr, BLOCK: tl.constexpr):
+                     L: tl.constexpr, GROUP: tl.constexpr, NODES: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     base = hist + tile * stride_tile
     for j in range(count):
@@ -69,16 +71,17 @@ def _backward_kernel(targets, values, steps, hist, T, start, count, slots, strid
         before = base + (i % slots) * stride_slot
         nodes = 1 << (L - D)
         low = (1 << (L - E)) - 1
-        for c in range(0, nodes, BLOCK):
-            node = c + tl.arange(0, BLOCK)
-            live = node < nodes
-            best = tl.full((BLOCK,), float("inf"), tl.float32)
-            for symbol in range(0, 1 << D):
-                state = (node << D) | symbol
+        for c in range(0, nodes, NODES):
+            node = c + tl.arange(0, NODES)
+            best = tl.full((NODES,), float("inf"), tl.float32)
+            for y in range(0, 1 << D, GROUP):
+                symbol = y + tl.arange(0, GROUP)
+                live = (symbol[:, None] < (1 << D)) & (node[None, :] < nodes)
+                state = (node[None, :] << D) | symbol[:, None]
                 d = tl.load(values + state, mask=live, other=0.0) - w
                 cost = d * d + tl.load(after + (state & low), mask=live, other=0.0, cache_modifier=".cg")
-                best = tl.minimum(best, cost)
-            tl.store(before + node, best, mask=live)
+                best = tl.minimum(best, tl.min(tl.where(live, cost, float("inf")), axis=0))
+            tl.store(before + node, best, mask=node < nodes)
         tl.debug_barrier()
 
 
@@ -133,10 +136,17 @@ class History:
         return self.data[:, i % self.slots, :width]
 
 
-def _launch(kernel, ring: Ring, targets: torch.Tensor, history: History, start: int, count: int, block: int):
+def blocks(ring: Ring) -> tuple[int, int]:
+    """(GROUP, NODES): every step has at least 2^min D predecessors per node and 2^(L - max D) nodes."""
+    group = min(16, 1 << min(ring.steps))
+    return group, min(STATES // group, 1 << (ring.L - max(ring.steps)))
+
+
+def _launch(kernel, ring: Ring, targets: torch.Tensor, history: History, start: int, count: int):
+    group, nodes = blocks(ring)
     kernel[(targets.shape[0],)](targets, ring.values, _steps(ring, targets.device), history.data, ring.T, start,
                                 count, history.slots, history.data.stride(0), history.data.stride(1), L=ring.L,
-                                BLOCK=block, num_warps=WARPS, enable_fp_fusion=False)
+                                GROUP=group, NODES=nodes, num_warps=WARPS, enable_fp_fusion=False)
 
 
 def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
@@ -144,7 +154,7 @@ def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: tor
     """As trellis.forward; returns (final node costs, History or None)."""
     history = History(ring, targets.shape[0], count, keep, targets.device)
     history.slot(0, init.shape[1]).copy_(init)
-    _launch(_forward_kernel, ring, targets.contiguous(), history, start, count, BLOCK)
+    _launch(_forward_kernel, ring, targets.contiguous(), history, start, count)
     final = history.slot(count, 1 << ring.node_bits(start + count - 1)).clone()
     return final, (history if keep else None)
 
@@ -153,7 +163,7 @@ def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: t
     """As trellis.backward; returns (costs before `start`, History or None)."""
     history = History(ring, targets.shape[0], count, keep, targets.device)
     history.slot(count, final.shape[1]).copy_(final)
-    _launch(_backward_kernel, ring, targets.contiguous(), history, start, count, BLOCK)
+    _launch(_backward_kernel, ring, targets.contiguous(), history, start, count)
     return history.slot(0, 1 << (ring.L - ring.D(start))).clone(), (history if keep else None)
 
 
