@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import ContractError
 from ..format.bitstream import pack_states
 from ..format.hadamard import hadamard_blockwise
 from ..format.weight import EXL3Weight
@@ -94,6 +95,8 @@ def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: s
     dev, hessians, inits = check_call(Ws, Hs, inits, K, codebook, device, damp, scale, scale_tiles, sweeps,
                                               channel_power)
     names = [f"weight{i}" for i in range(len(Ws))] if names is None else names
+    if len(names) != len(Ws):
+        raise ContractError("names", f"must name each of the {len(Ws)} weights, got {len(names)} names")
     jobs = [_Job(W.to(dev, torch.float64), H64, shift, init) for W, (H64, shift), init in zip(Ws, hessians, inits)]
     ring = tile_ring(K, codebook, dev)
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(jobs))]
@@ -132,7 +135,7 @@ def _or_identity(H: torch.Tensor | None, W_r: torch.Tensor) -> torch.Tensor:
 
 
 def _choose_scales(ring, jobs, generators, out_scales, channel_power, scale, scale_tiles) -> None:
-    """su, sv and g of every job: from init, or random signs x channel RMS and the global scale search."""
+    """su, sv and g of every job: from init, or random signs x (RMS^2 / diag H)^(p/2) and the global scale search."""
     fresh = [(job, gen) for job, gen in zip(jobs, generators) if job.init is None]
     for job in jobs:
         if job.init is not None:
