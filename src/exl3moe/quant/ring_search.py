@@ -97,10 +97,12 @@ def _search_other_seams(ring: Ring, targets: torch.Tensor, bounds: torch.Tensor,
         tile, node = batch // nodes, batch % nodes
         found, _ = forced_seam(ring, targets[tile], node, with_path=False)
         result.seams_searched += batch.numel()
-        for t, o, c in zip(tile.tolist(), node.tolist(), found.tolist()):
-            if c < float(cost[t]):
-                cost[t] = c
-                best_seam[t] = o
+        least = torch.full_like(cost, INF).scatter_reduce(0, tile, found, "amin")
+        better = (found == least[tile]) & (found < cost[tile])
+        first = torch.full_like(best_seam, nodes).scatter_reduce(0, tile[better], node[better], "amin")
+        improved = first < nodes
+        best_seam[improved] = first[improved]  # among equal costs, the lowest seam: the same bytes on every run
+        torch.minimum(cost, least, out=cost)
     changed = (best_seam != seam).nonzero().flatten()
     if changed.numel():
         _, result.states[changed] = forced_seam(ring, targets[changed], best_seam[changed], with_path=True)
