@@ -1,0 +1,1 @@
+"""Tensor and expert parallelism: split rules for EXL3 weights (split.py)."""
