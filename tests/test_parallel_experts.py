@@ -1,0 +1,87 @@
+"""Expert and tensor parallel routed experts over gloo (2 processes on the CPU): the ranks' partial outputs,
+all-reduced, equal the single-process layer and the float64 oracle."""
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from exl3moe import reference
+from exl3moe.errors import ContractError
+from exl3moe.ops.moe import fused_experts
+from exl3moe.parallel.experts import expert_range, expert_shard, local_ids, tensor_shard
+
+from helpers import random_experts
+
+E, HIDDEN, INTER, TOP_K, TOKENS = 5, 128, 384, 2, 6
+
+
+def layer():
+    """The same layer and routing in every process (fixed seeds): mixed K and codebooks, intermediate of 3 blocks."""
+    g = torch.Generator().manual_seed(7)
+    experts = random_experts(E, HIDDEN, INTER, K=[4, 2, 3, 2.5, 4], codebook=["mcg", "3inst", "mul1", "mul1", "mcg"],
+                             generator=g)
+    hidden = (torch.randn(TOKENS, HIDDEN, generator=g) * 0.5).half()
+    weights, ids = torch.softmax(torch.randn(TOKENS, E, generator=g), -1).topk(TOP_K, dim=-1)
+    return experts, hidden, ids, weights / weights.sum(-1, keepdim=True)
+
+
+def rank_output(mode: str, rank: int, world: int) -> torch.Tensor:
+    experts, hidden, ids, weights = layer()
+    if mode == "ep":
+        first, stop = expert_range(E, rank, world)
+        return fused_experts(hidden, expert_shard(experts, rank, world), local_ids(ids, first, stop - first),
+                             weights, out_dtype=torch.float32)
+    return fused_experts(hidden, tensor_shard(experts, rank, world), ids, weights, out_dtype=torch.float32)
+
+
+def worker(rank: int, world: int, port: int, mode: str, result: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        out = rank_output(mode, rank, world)
+        dist.all_reduce(out)
+        if rank == 0:
+            torch.save(out, result)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rel_l2(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("mode", ["ep", "tp"])
+def test_sharded_layer_over_two_gloo_ranks_equals_one_process(mode, tmp_path):
+    result = str(tmp_path / "out.pt")
+    mp.spawn(worker, args=(2, free_port(), mode, result), nprocs=2, join=True)
+    sharded = torch.load(result)
+    experts, hidden, ids, weights = layer()
+    single = fused_experts(hidden, experts, ids, weights, out_dtype=torch.float32)
+    assert rel_l2(sharded, single) < 1e-5
+    assert rel_l2(sharded, reference.moe(hidden, experts, ids, weights)) < 2e-3
+
+
+def test_local_ids_send_other_ranks_ids_outside_the_shard():
+    ids = torch.tensor([[0, 4], [2, 3], [1, 2]])
+    assert local_ids(ids, 2, 2).tolist() == [[2, 2], [0, 1], [2, 0]]
+
+
+def test_expert_ranges_are_contiguous_and_uneven_where_needed():
+    assert [expert_range(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
+    with pytest.raises(ContractError, match="world"):
+        expert_range(2, 0, 3)
+
+
+def test_tensor_shard_refuses_a_world_that_leaves_a_rank_without_a_block():
+    experts, *_ = layer()
+    with pytest.raises(ContractError, match="leaves a rank with none"):
+        tensor_shard(experts, 0, 4)
