@@ -85,3 +85,27 @@ def test_tensor_shard_refuses_a_world_that_leaves_a_rank_without_a_block():
     experts, *_ = layer()
     with pytest.raises(ContractError, match="leaves a rank with none"):
         tensor_shard(experts, 0, 4)
+
+
+def test_checkpoint_reads_only_the_ranks_experts(fixtures_dir, monkeypatch):
+    from exl3moe.format.checkpoint import CheckpointReader, open_checkpoint
+
+    reader = open_checkpoint(os.path.join(fixtures_dir, "tiny_qwen3_moe_exl3"))
+    prefix = "model.layers.1.mlp"
+    whole = reader.experts(prefix)
+    read, linear = [], CheckpointReader.linear
+
+    def recording(self, key, device=None):
+        read.append(key)
+        return linear(self, key, device)
+
+    monkeypatch.setattr(CheckpointReader, "linear", recording)
+    shard = reader.experts(prefix, shard=(1, 3))
+    first, stop = expert_range(whole.num_experts, 1, 3)
+    assert (first, stop) == (6, 11)
+    assert sorted({key.split(".experts.")[1].split(".")[0] for key in read}) == sorted(map(str, range(first, stop)))
+    expected = expert_shard(whole, 1, 3)
+    for got, want in zip(shard.down + shard.up + shard.gate, expected.down + expected.up + expected.gate):
+        assert torch.equal(got.trellis, want.trellis) and torch.equal(got.svh, want.svh)
+    with pytest.raises(ContractError, match="world"):
+        reader.experts(prefix, shard=(0, 17))

@@ -19,6 +19,7 @@ from .completeness import CONFIG_FILE, NOT_EXL3, QUANT_CONFIG_FILE, check_comple
 from .experts import ExpertSet
 from .hadamard import HAD
 from .safetensors_io import TensorEntry, read_bytes, read_header, read_tensor, tensor_nbytes, write_shard
+from .shards import shard_range
 from .weight import MARKERS, EXL3Weight
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -287,8 +288,10 @@ class CheckpointReader:
         gate = load("gate") if "gate" in roles else None
         return ExpertSet(gate, load("up"), load("down"), activation, limit, name=where)
 
-    def experts(self, prefix: str, activation: str = "silu", limit: float | None = None, device=None) -> ExpertSet:
-        """Routed experts `<prefix>.experts.<i>.<proj>` (gate_proj/up_proj/down_proj or w1/w3/w2)."""
+    def experts(self, prefix: str, activation: str = "silu", limit: float | None = None, device=None,
+                shard: tuple | None = None) -> ExpertSet:
+        """Routed experts `<prefix>.experts.<i>.<proj>` (gate_proj/up_proj/down_proj or w1/w3/w2); with
+        shard=(rank, world), only that rank's contiguous experts (format/shards.py) are read."""
         where = f"{prefix}.experts"
         group_re = re.compile(rf"^{re.escape(where)}\.(?P<member>\d+)\.(?P<proj>{_PROJ})$")
         found = self._projection_keys(group_re, where)
@@ -300,7 +303,8 @@ class CheckpointReader:
         for index in range(len(found)):
             if str(index) not in found:
                 raise FormatError(f"{where}.{index}", f"missing: {len(found)} experts are numbered 0..{len(found) - 1}")
-        return self._build_set([str(i) for i in range(len(found))], found, where, activation, limit, device)
+        first, stop = (0, len(found)) if shard is None else _shard_range(len(found), shard)
+        return self._build_set([str(i) for i in range(first, stop)], found, where, activation, limit, device)
 
     def shared_expert(self, prefix: str, activation: str = "silu", limit: float | None = None,
                       device=None) -> ExpertSet | None:
@@ -314,6 +318,13 @@ class CheckpointReader:
             return None
         (member,) = found
         return self._build_set([member], found, f"{prefix}.{member}", activation, limit, device)
+
+
+def _shard_range(num_experts: int, shard) -> tuple:
+    """(first, stop) of an expert-parallel shard (rank, world), checked."""
+    if not isinstance(shard, tuple) or len(shard) != 2:
+        raise ContractError("shard", f"must be a (rank, world) tuple, got {shard!r}")
+    return shard_range(num_experts, *shard, "experts", "experts")
 
 
 def open_checkpoint(path, strict: bool = True) -> CheckpointReader:

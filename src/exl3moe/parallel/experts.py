@@ -8,19 +8,13 @@ import torch
 
 from ..errors import ContractError
 from ..format.experts import ExpertSet
+from ..format.shards import shard_range
 from .split import block_ranges, column_shard, row_shard
 
 
 def expert_range(num_experts: int, rank: int, world: int) -> tuple:
     """(first, stop): rank `rank`'s contiguous experts; the first `num_experts % world` ranks hold one more."""
-    if isinstance(world, bool) or not isinstance(world, int) or not 1 <= world <= num_experts:
-        raise ContractError("world", f"must be an int in 1..{num_experts} (an expert per rank at least), "
-                            f"got {world!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ContractError("rank", f"must be an int in 0..{world - 1}, got {rank!r}")
-    base, extra = divmod(num_experts, world)
-    first = rank * base + min(rank, extra)
-    return first, first + base + (rank < extra)
+    return shard_range(num_experts, rank, world, "experts", "experts")
 
 
 def _no_stages(experts: ExpertSet) -> None:

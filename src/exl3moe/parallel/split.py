@@ -7,8 +7,8 @@ the whole output, and the bias stays with rank 0 so that it is added once.
 
 from __future__ import annotations
 
-from ..errors import ContractError
 from ..format.hadamard import HAD as HADAMARD_SIZE
+from ..format.shards import shard_range, shard_ranges
 from ..format.weight import EXL3Weight
 
 TILES_PER_BLOCK = HADAMARD_SIZE // 16
@@ -16,24 +16,11 @@ TILES_PER_BLOCK = HADAMARD_SIZE // 16
 
 def block_ranges(blocks: int, world: int, name: str) -> list:
     """[(first, stop)] 128-wide blocks of each rank, in rank order: the first `blocks % world` ranks hold one more."""
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ContractError("world", f"must be a positive int, got {world!r}")
-    if world > blocks:
-        raise ContractError(name, f"has {blocks} blocks of {HADAMARD_SIZE}: a world of {world} leaves a rank with none")
-    base, extra = divmod(blocks, world)
-    ranges, first = [], 0
-    for rank in range(world):
-        stop = first + base + (rank < extra)
-        ranges.append((first, stop))
-        first = stop
-    return ranges
+    return shard_ranges(blocks, world, name, f"blocks of {HADAMARD_SIZE}")
 
 
 def _rank_range(blocks: int, rank: int, world: int, name: str) -> tuple:
-    ranges = block_ranges(blocks, world, name)
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ContractError("rank", f"must be an int in 0..{world - 1}, got {rank!r}")
-    return ranges[rank]
+    return shard_range(blocks, rank, world, name, f"blocks of {HADAMARD_SIZE}")
 
 
 def column_shard(w: EXL3Weight, rank: int, world: int) -> EXL3Weight:
