@@ -43,6 +43,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module of many small CPU ops: on shared cores, hand-offs cost more than they bring."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir():
     path = os.path.abspath(os.environ.get("EXL3MOE_FIXTURES", FIXTURES))

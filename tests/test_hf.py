@@ -24,13 +24,7 @@ CHECKPOINT = "tiny_qwen3_moe_exl3"
 PROMPT_TOKENS, NEW_TOKENS = 16, 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two shared cores: torch's second thread makes small CPU matmuls orders of magnitude slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

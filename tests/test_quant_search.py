@@ -10,13 +10,7 @@ from exl3moe.quant.tiles import quantize_tiles, tile_ring
 from exl3moe.quant.trellis import Ring, path_cost, ring_consistent
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The search runs many small ops; on a shared CPU, thread hand-offs cost more than they bring."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _gen(seed):
