@@ -5,7 +5,8 @@ import torch
 
 from exl3moe import EXL3Weight
 from exl3moe.quant import proxy_error, quantize_weight, quantize_weights
-from test_quant_search import one_thread  # noqa: F401 (autouse: the quant tests run on one CPU thread)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # issue #48, exllamav3 1.6.5 on 1024x768 iid Gaussian weights, H from 8192 iid Gaussian rows (in / rows = 1/8)
 EXLLAMAV3_GAUSSIAN_MCG_K4 = 0.00425

@@ -8,12 +8,12 @@ import torch
 from exl3moe.quant import trellis
 from exl3moe.quant.ring_search import search_ring
 from exl3moe.quant.tiles import tile_ring
-from test_quant_search import one_thread  # noqa: F401 (autouse: the quant tests run on one CPU thread)
 
 # On a GPU machine these run compiled with the gpu tests; elsewhere under the interpreter with the CPU tests.
 pytestmark = [pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
                                  reason="Triton needs a GPU or TRITON_INTERPRET=1")]
 pytestmark += [pytest.mark.gpu] if torch.cuda.is_available() else []
+pytestmark += [pytest.mark.usefixtures("one_torch_thread")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
