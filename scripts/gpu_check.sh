@@ -4,6 +4,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 export EXL3MOE_CACHE_DIR="${EXL3MOE_CACHE_DIR-$PWD/.kernel_cache}"  # compiled CUDA kernels, kept between calls
+export TRITON_CACHE_DIR="${TRITON_CACHE_DIR-$PWD/.triton_cache}"     # compiled Triton kernels, the same way
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
@@ -19,3 +20,4 @@ for b in "$@"; do
 done
 # The cache and its noted variants, for scripts/warm_cache.py: a cold machine then skips the compiles.
 [ -n "$EXL3MOE_CACHE_DIR" ] && [ -d "$EXL3MOE_CACHE_DIR" ] && tar czf "$OUT/kernel_cache.tgz" -C "$EXL3MOE_CACHE_DIR" .
+[ -d "$TRITON_CACHE_DIR" ] && tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" .

@@ -88,6 +88,19 @@ def test_row_bytes_do_not_depend_on_batch_up_to_128_rows(K, codebook):
         assert torch.equal(linear(x[row:row + 1], w).view(torch.int16), full[row:row + 1]), row
 
 
+@interpreted
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_row_bytes_across_the_128_row_boundary(dtype):
+    """Calls of more than 128 rows (128-row blocks) give each row the bytes of calls of 1-128 rows."""
+    w = random_weight(128, 128, 4, "mcg", bias=True, generator=torch.Generator().manual_seed(5))
+    x = inputs(300, 128, 5)
+    full = linear(x, w, out_dtype=dtype)
+    for rows in (1, 17, 128, 129, 257):
+        assert torch.equal(linear(x[:rows], w, out_dtype=dtype), full[:rows]), rows
+    for row in (128, 200, 299):
+        assert torch.equal(linear(x[row:row + 1], w, out_dtype=dtype), full[row:row + 1]), row
+
+
 def test_split_depends_on_shape_only():
     tiles = plan_tiles(4096, 14336, 4)
     assert tiles == plan_tiles(4096, 14336, 4)

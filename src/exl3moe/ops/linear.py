@@ -15,12 +15,13 @@ from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
+from ..kernels.split_gemm import split_ordered_gemm, warm_split_gemm
 from ..kernels.trellis_dense import decode_dense, dense_epilogue, dense_kernel
 from ..kernels.trellis_mma import counter_count, reduce_kernel, rotate_kernel
 from ..kernels.trellis_ws import ws_kernel
 from .linear_cuda import call_kernel, rotate_input, trellis_mma
-from .linear_planning import (fuses_rotation, late_rotation, linear_chains, plan_mma, prefetch_for, uses_ws,
-                              variant_for, ws_defers_reduce, ws_paired, ws_x_tma)
+from .linear_planning import (fuses_rotation, late_rotation, linear_chains, plan_mma, prefetch_for, prompt_on_ws,
+                              uses_ws, variant_for, ws_defers_reduce, ws_paired, ws_x_tma)
 from .contracts import check_packed, check_workspace
 from .workspaces import workspace_for
 
@@ -159,9 +160,13 @@ class LinearPlan:
                 dense_kernel(w.K, w.codebook, w.device)
                 dense_kernel(w.K, w.codebook, w.device, "dense_epilogue")
                 rotate_kernel(w.device)
+                warm_split_gemm(k, n, self.mma.ktiles_per_split * 16, w.device)
         splits = max(self.tiles.splits, self.mma.splits if self.mma is not None else 1)
-        sizes = [(max_rows * k, torch.float16), (splits * max_rows * n, torch.float32)]
-        if self.dense_path:
+        partials = splits * min(max_rows, MAX_FUSED_ROWS) * n   # calls of more rows run 128-row blocks (Triton)
+        if self.dense_path and self.mma is not None:
+            partials = max(partials, max_rows * n)   # the dense path's fp32 product
+        sizes = [(max_rows * k, torch.float16), (partials, torch.float32)]
+        if self.dense_path and self.mma is not None:
             sizes.append((k * n, torch.float16))
         if self.mma is not None:
             sizes.append((counter_count(n, max_rows), torch.int32))
@@ -179,7 +184,7 @@ class LinearPlan:
         counters = views.pop() if self.mma is not None else None
         if counters is not None:
             counters.zero_()
-        dense = views.pop() if self.dense_path else None
+        dense = views.pop() if self.dense_path and self.mma is not None else None
         return LinearRunner(self, *views, dense=dense, counters=counters, workspace=workspace)
 
     def check_weight_unchanged(self) -> None:
@@ -240,32 +245,30 @@ class LinearRunner:
             trellis_mma(x2, w, partials, self._counters, out2, mma, after_rotate=rotated)
             return out
         if rows > MAX_FUSED_ROWS and mma is not None:
+            if prompt_on_ws(rows, k, n, x2.device):
+                trellis_mma(rotate_input(x2, w.suh, xh), w, self._partials, self._counters, out2, mma,
+                            after_rotate=True)
+                return out
             return self._dense_cuda(x2, xh, out2, out)
         hadamard128(x2, xh, pre=w.suh)
         t = self.plan.tiles
-        if rows <= MAX_FUSED_ROWS:
-            partials = self._partials[:t.splits * rows * n].view(t.splits, rows, n)
-            trellis_matmul(xh, w.trellis, w.K, w.codebook, partials, t.splits, block_rows(rows), t.block_n,
-                           t.block_k, t.num_warps, t.num_stages)
-        else:
-            partials = self._partials[:rows * n].view(1, rows, n)
-            dense = self._dense.view(k, n)
-            trellis_decode(w.trellis, w.K, w.codebook, dense)
-            if xh.is_cuda and not interpreting():
-                torch.mm(xh, dense, out_dtype=torch.float32, out=partials[0])  # cuBLAS, fp32 accumulation and output
-            else:
-                trellis_matmul(xh, w.trellis, w.K, w.codebook, partials, 1, 64, 128, 64, 4, 3, dense=dense)
-        trellis_epilogue(partials, w.svh, w.bias, out2)
+        for r0 in range(0, rows, MAX_FUSED_ROWS):   # larger calls in 128-row blocks: the same kernel, the same bytes
+            block = min(MAX_FUSED_ROWS, rows - r0)
+            partials = self._partials[:t.splits * block * n].view(t.splits, block, n)
+            trellis_matmul(xh[r0:r0 + block], w.trellis, w.K, w.codebook, partials, t.splits, block_rows(block),
+                           t.block_n, t.block_k, t.num_warps, t.num_stages)
+            trellis_epilogue(partials, w.svh, w.bias, out2[r0:r0 + block])
         return out
 
     def _dense_cuda(self, x2, xh, out2, out):
-        """More than 128 rows on a GPU: rotate, decode W_inner once, cuBLAS (fp32 accumulation and output), then
-        the output Hadamard, svh and bias; all CUDA kernels but the GEMM."""
+        """More than 128 rows on a GPU: rotate, decode W_inner once, a GEMM that sums k in the few-row kernels'
+        splits and order (so each row gets the bytes it gets in a call of 1-128 rows), then the output Hadamard, svh
+        and bias."""
         w = self.plan.weight
         rows, (k, n) = x2.shape[0], (w.in_features, w.out_features)
         y = self._partials[:rows * n].view(rows, n)
         rotate_input(x2, w.suh, xh)
-        torch.mm(xh, decode_dense(w, self._dense.view(k, n)), out_dtype=torch.float32, out=y)
+        split_ordered_gemm(xh, decode_dense(w, self._dense.view(k, n)), y, self.plan.mma.ktiles_per_split * 16)
         dense_epilogue(y, w, out2)
         return out
 
@@ -280,7 +283,7 @@ def linear_torch(x2: torch.Tensor, w: EXL3Weight) -> torch.Tensor:
 def dense_weight(w: EXL3Weight, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The original-basis weight W [in, out] = diag(suh) Hk W_inner Hn diag(svh), computed in fp32, cast once.
 
-    For callers that multiply by a dense weight themselves (large batches through cuBLAS); allocates.
+    For callers that multiply by a dense weight themselves; allocates.
     """
     check_weight(w)
     if dtype not in OUTPUT_DTYPES:
@@ -330,8 +333,7 @@ def linear(x: torch.Tensor, w: EXL3Weight, out: torch.Tensor | None = None,
     Without `out` a call plans and allocates. With `out`, calls reuse a plan cached per weight (for up to 128 rows,
     more as calls need) bound to the workspace shared by plans of its layout on its device (so do not overlap them
     on concurrent streams): after one call, a call of no more planned rows allocates nothing, never syncs with the
-    host and can be captured in a CUDA graph. cuBLAS (above 128 rows) takes its own workspace the first time it runs on
-    a stream, so capture such a call after one run on the capture stream (or capture twice).
+    host and can be captured in a CUDA graph. A row's bytes do not depend on the rows around it, at any row count.
     """
     key = check_weight(w)
     x2 = check_input(x, w)

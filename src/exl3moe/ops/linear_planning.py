@@ -27,6 +27,7 @@ ONE_WAVE_MIN_BLOCKS = 7
 CHAIN_PREFETCH_KTILES = 8  # trellis words per warp asked of L2 by a chained call on a grid of <= 1 block per SM
 WHOLE_SPLIT_PREFETCH, WHOLE_SPLIT_MAX_BLOCKS = CHUNK_K // 16, 512
 MAX_CHAINED_ROWS = 128   # calls of up to this many rows chain their launches (above: the dense path)
+PROMPT_WS_MAX_ROWS = 512   # calls over 128 rows up to this many run trellis_ws in 128-row blocks (prompt_on_ws)
 # Calls from this many rows (x rotated) run on trellis_ws: weights under MID_WEIGHT entries, under SMALL_WEIGHT, larger.
 WS_MIN_ROWS, WS_MIN_ROWS_MID, WS_MIN_ROWS_LARGE, MID_WEIGHT = 32, 33, 64, 1 << 22
 
@@ -241,3 +242,12 @@ def ws_variant(x: torch.Tensor, w, tiles: MmaTiles, after_rotate: bool = False) 
     return (ws_splits_per_block(tiles.splits, n // 128, sms), ws_x_tma(k, n, w.K, w.codebook, x),
             ws_paired(k, n, tiles.splits, sms), ws_defers_reduce(tiles.splits, n, sms),
             after_rotate and ws_launches_early(x.device))
+
+
+def prompt_on_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
+    """Whether a call of more than 128 rows runs trellis_ws over 128-row blocks (each block decoding its weight
+    again) instead of decoding W once for the split-ordered GEMM: weights whose blocks each run every split (no
+    partials) up to PROMPT_WS_MAX_ROWS rows, measured faster there; both give the same bytes."""
+    sms = nvrtc.sm_count(device)
+    return (rows <= PROMPT_WS_MAX_ROWS and uses_ws(rows, k, n, device)
+            and ws_whole(plan_mma(k, n).splits, n, sms) and os.environ.get("EXL3MOE_PROMPT_WS") != "0")
