@@ -22,6 +22,7 @@ from ..errors import ContractError, FormatError
 from ..format.checkpoint import open_checkpoint
 from ..format.hadamard import HAD
 from ..format.shards import shard_range
+from ..ops.linear import linear
 from ..ops.moe_module import SHARED_GATE_NAME, EXL3MoE, activation_from_config
 from ..ops.router import Router
 from ..rows import LIMIT, rel_l2
@@ -73,21 +74,12 @@ def run_linear(reader, info, index: int, layout, device) -> tuple:
     if layout.ep_rank == 0:
         w = reader.linear(info.key, device, **{axis: span})
         xs = x[:, span[0]:span[1]].contiguous() if axis == "rows" else x
-        y = reference_free_linear(xs.to(device), w)
+        y = linear(xs.to(device), w, out_dtype=torch.float32)
         if axis == "rows":
             out += y.cpu()
         else:
             out[:, span[0]:span[1]] = y.cpu()
     return out, x, f"{axis} / {layout.tp}" if layout.tp > 1 else "whole"
-
-
-def reference_free_linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ W (+ bias) through this machine's kernels, fp32 out."""
-    from ..ops.linear import linear_plan
-
-    plan = linear_plan(w, x.shape[0])
-    out = torch.empty(x.shape[0], w.out_features, dtype=torch.float32, device=x.device)
-    return plan.bind(plan.allocate()).run(x, out)
 
 
 def _moe_parts(reader, prefix: str, device, ep_shard, tp_shard, with_shared: bool) -> tuple:
@@ -118,7 +110,7 @@ def single_and_float64(reader, check: str, name: str, x: torch.Tensor, device) -
     """(one process's fp32 output, float64 reference) of the same layer on the same input."""
     if check == "linear":
         w = reader.linear(name, device)
-        return reference_free_linear(x.to(device), w).cpu(), reference.linear(x, w.to("cpu"))
+        return linear(x.to(device), w, out_dtype=torch.float32).cpu(), reference.linear(x, w.to("cpu"))
     module = EXL3MoE.from_checkpoint(reader, name, device, max_tokens=x.shape[0], out_dtype=torch.float32)
     xd = x.to(device)
     ids, weights = module.router(xd)
