@@ -2,8 +2,6 @@
 experts by EP and by TP (768 = 3 + 3 blocks), attention q by columns and o by rows; all-reduced fp32 outputs within
 1e-5 relative L2 of one process and 2e-3 of float64, a rank's bytes equal run to run."""
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +12,8 @@ from exl3moe.ops import fused_experts
 from exl3moe.ops.linear import linear
 from exl3moe.parallel.experts import expert_range, expert_shard, local_ids, tensor_shard
 from exl3moe.parallel.split import column_shard, input_slice, row_shard
+
+from helpers import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -71,12 +71,6 @@ def worker(rank: int, world: int, port: int, T: int, result: str) -> None:
             torch.save({**{k: v.cpu() for k, v in first.items()}, "repeat": repeat}, result)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rel_l2(a, b) -> float:

@@ -5,8 +5,6 @@ here, the fp16 resolution; layer outputs in fp32 stay within 1e-5, test_parallel
 to run, a token's bytes do not depend on the batch; shard_model gives the same bytes from a loaded model."""
 
 import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,6 +18,8 @@ from exl3moe.hf.synthetic import write_synthetic_checkpoint
 from exl3moe.parallel.layout import ParallelLayout, make_layout
 from exl3moe.parallel.model import linear_slices, shard_model
 from exl3moe.parallel.modules import ReducedMoE, RowParallelLinear
+
+from helpers import free_port
 
 COMMON = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, vocab_size=256, head_dim=64, max_position_embeddings=128)
@@ -82,12 +82,6 @@ def worker(rank: int, world: int, port: int, cases: list, paths: dict, result_di
         torch.save(results, os.path.join(result_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rel_l2(a, b) -> float:
