@@ -7,6 +7,8 @@ All functions take an optional torch.Generator for reproducibility; tensors are 
 
 from __future__ import annotations
 
+import socket
+
 import torch
 
 from exl3moe import EXL3Weight, ExpertSet, ResidualStage
@@ -111,3 +113,10 @@ def capture_allocation_free(call, scratch):
         call()
     assert torch.cuda.memory_allocated() == before
     return graph
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback for a spawned process group's rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -2,8 +2,6 @@
 all-reduced, equal the single-process layer and the float64 oracle."""
 
 import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,7 +12,7 @@ from exl3moe.errors import ContractError
 from exl3moe.ops.moe import fused_experts
 from exl3moe.parallel.experts import expert_range, expert_shard, local_ids, tensor_shard
 
-from helpers import random_experts
+from helpers import free_port, random_experts
 
 E, HIDDEN, INTER, TOP_K, TOKENS = 5, 128, 384, 2, 6
 
@@ -47,12 +45,6 @@ def worker(rank: int, world: int, port: int, mode: str, result: str) -> None:
             torch.save(out, result)
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rel_l2(a, b) -> float:

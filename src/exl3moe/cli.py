@@ -89,6 +89,10 @@ def cmd_inspect(args) -> int:
 
 def cmd_verify(args) -> int:
     from .verify import verify_checkpoint
+    if (args.tp, args.ep) != (1, 1):
+        from .parallel.verify import verify_parallel
+        force_cpu = args.device is not None and args.device.type == "cpu"
+        return verify_parallel(args.path, args.tp, args.ep, report_console(args.width), force_cpu)
     reader = open_checkpoint(args.path)   # an incomplete checkpoint stops here, before any work
     return verify_checkpoint(reader, default_device(args.device), report_console(args.width)).exit_code
 
@@ -162,6 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
                                              f"stay below {LIMIT:g}."))
     verify.add_argument("path", help=path_help)
     add_common(verify)
+    for degree, what in (("tp", "tensor-parallel ranks (each holds a slice of every linear and expert)"),
+                         ("ep", "expert-parallel ranks (each holds whole experts)")):
+        verify.add_argument(f"--{degree}", type=int_arg(1, 64), default=1,
+                            help=f"{what}; with --tp or --ep above 1 every layer runs sharded over tp x ep gloo "
+                                 "processes and is compared with one process and float64 (default 1)")
     verify.set_defaults(func=cmd_verify)
     demo = sub.add_parser("demo", help="run a mixed-K MoE layer and a linear on this machine, check against float64",
                           epilog=EXIT_CODES, formatter_class=formatter)

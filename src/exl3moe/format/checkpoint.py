@@ -18,7 +18,8 @@ from .bitstream import k_from_last_dim
 from .completeness import CONFIG_FILE, NOT_EXL3, QUANT_CONFIG_FILE, check_complete
 from .experts import ExpertSet
 from .hadamard import HAD
-from .safetensors_io import TensorEntry, read_bytes, read_header, read_tensor, tensor_nbytes, write_shard
+from .safetensors_io import (TensorEntry, read_bytes, read_header, read_tensor, read_tensor_slice, tensor_nbytes,
+                             write_shard)
 from .shards import shard_range
 from .weight import MARKERS, EXL3Weight
 
@@ -246,12 +247,33 @@ class CheckpointReader:
         """LinearInfo for every quantized linear, from headers only."""
         return list(self._linears.values())
 
-    def linear(self, key: str, device=None) -> EXL3Weight:
-        """Load `<key>.trellis`, scales, marker and bias as a validated EXL3Weight."""
+    def linear(self, key: str, device=None, columns: tuple | None = None, rows: tuple | None = None) -> EXL3Weight:
+        """Load `<key>.trellis`, scales, marker and bias as a validated EXL3Weight; with columns=(start, stop) or
+        rows=(start, stop) (whole 128-wide blocks), only those output columns or input rows are read."""
         if key not in self._linears:
             raise KeyError(f"{key}: not a quantized linear in {self.path}")
-        parts = {s: self.tensor(f"{key}.{s}", device) for s in LINEAR_SUBKEYS if f"{key}.{s}" in self._entries}
-        return EXL3Weight.from_tensors(parts, name=key)
+        if columns is None and rows is None:
+            parts = {s: self.tensor(f"{key}.{s}", device) for s in LINEAR_SUBKEYS if f"{key}.{s}" in self._entries}
+            return EXL3Weight.from_tensors(parts, name=key)
+        if columns is not None and rows is not None:
+            raise ContractError(key, "a slice takes columns or rows, not both")
+        info = self._linears[key]
+        by_rows = rows is not None
+        start, stop = _block_slice(rows if by_rows else columns, info.in_features if by_rows else info.out_features,
+                                   f"{key} ({'rows' if by_rows else 'columns'})")
+        sliced = {"trellis": (1 - by_rows, 16), "suh": (0, 1) if by_rows else None, "su": (0, 16) if by_rows else None,
+                  "svh": None if by_rows else (0, 1), "sv": None if by_rows else (0, 16),
+                  "bias": None if by_rows else (0, 1)}
+        parts = {}
+        for sub in LINEAR_SUBKEYS:
+            name = f"{key}.{sub}"
+            if name not in self._entries or (sub == "bias" and by_rows and start > 0):
+                continue
+            cut = sliced.get(sub)
+            parts[sub] = (self.tensor(name, device) if cut is None else
+                          read_tensor_slice(self._entries[name], cut[0], start // cut[1], stop // cut[1], device))
+        what = "rows" if by_rows else "columns"
+        return EXL3Weight.from_tensors(parts, name=f"{key}[{what} {start}:{stop}]")
 
     def moe_layers(self) -> list:
         """Prefixes (e.g. model.layers.0.mlp) that hold routed experts."""
@@ -275,7 +297,8 @@ class CheckpointReader:
             raise FormatError(where, "mixes gate_proj/up_proj/down_proj and w1/w3/w2 names")
         return found
 
-    def _build_set(self, members: list, found: dict, where: str, activation: str, limit, device) -> ExpertSet:
+    def _build_set(self, members: list, found: dict, where: str, activation: str, limit, device,
+                   tensor_shard: tuple | None = None) -> ExpertSet:
         roles = found[members[0]]
         for member in members:
             if set(found[member]) != set(roles):
@@ -284,14 +307,23 @@ class CheckpointReader:
         for role in ("up", "down"):
             if role not in roles:
                 raise FormatError(where, f"no {role} projection")
-        load = lambda role: [self.linear(found[m][role], device) for m in members]  # noqa: E731
+        cut = {}
+        if tensor_shard is not None:
+            blocks = self._linears[found[members[0]]["down"]].in_features // HAD
+            first, stop = _shard_range(blocks, tensor_shard, f"{where} intermediate", f"blocks of {HAD}")
+            span = (first * HAD, stop * HAD)
+            cut = {"gate": {"columns": span}, "up": {"columns": span}, "down": {"rows": span}}
+            where = f"{where}[tensor {tensor_shard[0]}/{tensor_shard[1]}]"
+        load = lambda role: [self.linear(found[m][role], device, **cut.get(role, {})) for m in members]  # noqa: E731
         gate = load("gate") if "gate" in roles else None
         return ExpertSet(gate, load("up"), load("down"), activation, limit, name=where)
 
     def experts(self, prefix: str, activation: str = "silu", limit: float | None = None, device=None,
-                shard: tuple | None = None) -> ExpertSet:
+                shard: tuple | None = None, tensor_shard: tuple | None = None) -> ExpertSet:
         """Routed experts `<prefix>.experts.<i>.<proj>` (gate_proj/up_proj/down_proj or w1/w3/w2); with
-        shard=(rank, world), only that rank's contiguous experts (format/shards.py) are read."""
+        shard=(rank, world), only that rank's contiguous experts (format/shards.py) are read; with
+        tensor_shard=(rank, world), only that rank's slice of every expert's intermediate width (gate / up columns,
+        down rows, whole 128-wide blocks: parallel/experts.py's tensor_shard)."""
         where = f"{prefix}.experts"
         group_re = re.compile(rf"^{re.escape(where)}\.(?P<member>\d+)\.(?P<proj>{_PROJ})$")
         found = self._projection_keys(group_re, where)
@@ -304,11 +336,13 @@ class CheckpointReader:
             if str(index) not in found:
                 raise FormatError(f"{where}.{index}", f"missing: {len(found)} experts are numbered 0..{len(found) - 1}")
         first, stop = (0, len(found)) if shard is None else _shard_range(len(found), shard)
-        return self._build_set([str(i) for i in range(first, stop)], found, where, activation, limit, device)
+        return self._build_set([str(i) for i in range(first, stop)], found, where, activation, limit, device,
+                               tensor_shard)
 
     def shared_expert(self, prefix: str, activation: str = "silu", limit: float | None = None,
-                      device=None) -> ExpertSet | None:
-        """The shared expert `<prefix>.shared_expert(s).<proj>` as a one-expert ExpertSet, or None."""
+                      device=None, tensor_shard: tuple | None = None) -> ExpertSet | None:
+        """The shared expert `<prefix>.shared_expert(s).<proj>` as a one-expert ExpertSet, or None; tensor_shard
+        as for experts()."""
         names = "|".join(SHARED_EXPERT_NAMES)
         group_re = re.compile(rf"^{re.escape(prefix)}\.(?P<member>{names})\.(?P<proj>{_PROJ})$")
         found = self._projection_keys(group_re, prefix)
@@ -317,14 +351,23 @@ class CheckpointReader:
         if not found:
             return None
         (member,) = found
-        return self._build_set([member], found, f"{prefix}.{member}", activation, limit, device)
+        return self._build_set([member], found, f"{prefix}.{member}", activation, limit, device, tensor_shard)
 
 
-def _shard_range(num_experts: int, shard) -> tuple:
-    """(first, stop) of an expert-parallel shard (rank, world), checked."""
+def _block_slice(span, features: int, name: str) -> tuple:
+    """(start, stop) of a slice of whole 128-wide blocks within `features`, checked."""
+    if (not isinstance(span, tuple) or len(span) != 2 or not all(type(v) is int for v in span)
+            or not 0 <= span[0] < span[1] <= features or span[0] % HAD or span[1] % HAD):
+        raise ContractError(name, f"slice must be (start, stop) of whole {HAD}-wide blocks within {features}, "
+                            f"got {span!r}")
+    return span
+
+
+def _shard_range(count: int, shard, name: str = "experts", unit: str = "experts") -> tuple:
+    """(first, stop) of rank `shard[0]` of `shard[1]` over `count` units, checked."""
     if not isinstance(shard, tuple) or len(shard) != 2:
         raise ContractError("shard", f"must be a (rank, world) tuple, got {shard!r}")
-    return shard_range(num_experts, *shard, "experts", "experts")
+    return shard_range(count, *shard, name, unit)
 
 
 def open_checkpoint(path, strict: bool = True) -> CheckpointReader:

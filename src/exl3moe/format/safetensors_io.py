@@ -197,6 +197,34 @@ def read_tensor(entry: TensorEntry, device=None) -> torch.Tensor:
     return t if device is None else t.to(device)
 
 
+def read_range(handle, entry: TensorEntry, offset: int, into: memoryview) -> None:
+    """Fill `into` with the tensor's bytes from `offset` (relative to the tensor's start) on."""
+    try:
+        handle.seek(entry.offset + offset)
+        got = handle.readinto(into)
+    except OSError as err:
+        raise FormatError(entry.key, f"in {entry.shard}: cannot read: {err}") from None
+    if got != len(into):
+        raise FormatError(entry.key, f"in {entry.shard}: file ended after {offset + got} of {entry.nbytes} bytes")
+
+
+def read_tensor_slice(entry: TensorEntry, dim: int, start: int, stop: int, device=None) -> torch.Tensor:
+    """tensor[(:,) * dim, start:stop] read alone: one byte range per index of the dimensions before `dim`."""
+    shape = entry.shape
+    if not 0 <= dim < len(shape) or not 0 <= start < stop <= shape[dim]:
+        raise ContractError(entry.key, f"slice {start}:{stop} of dim {dim} is outside shape {list(shape)}")
+    inner = math.prod(shape[dim + 1:]) * ITEM_BYTES[entry.dtype]
+    run, stride = (stop - start) * inner, shape[dim] * inner
+    outer = math.prod(shape[:dim])
+    data = bytearray(outer * run)
+    view = memoryview(data)
+    with _open_regular(entry.path)[0] as handle:
+        for i in range(outer):
+            read_range(handle, entry, i * stride + start * inner, view[i * run:(i + 1) * run])
+    t = torch.frombuffer(data, dtype=DTYPES[entry.dtype]).reshape(*shape[:dim], stop - start, *shape[dim + 1:])
+    return t if device is None else t.to(device)
+
+
 def tensor_nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

@@ -102,25 +102,38 @@ def open_supported(path) -> CheckpointReader:
 
 def from_pretrained(path, device=None, dtype: torch.dtype = torch.float16,
                     max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS, attn_implementation: str = "sdpa",
-                    cuda_graphs: bool = True, decode_tokens: int = DEFAULT_DECODE_TOKENS) -> nn.Module:
+                    cuda_graphs: bool = True, decode_tokens: int = DEFAULT_DECODE_TOKENS, tp: int = 1, ep: int = 1,
+                    group=None) -> nn.Module:
     """The transformers PreTrainedModel of the EXL3 checkpoint in `path` on exl3moe's kernels.
 
     device: default cuda when available, else cpu. dtype: activations, float16 or bfloat16. max_batch_tokens:
     rows the EXL3 modules plan for (larger calls re-plan and allocate). decode_tokens: MoE calls of up to this many
     tokens use a plan of their own (moe_dispatch.py). cuda_graphs: on CUDA, generate() with a static cache replays
-    the decode step from captured CUDA graphs (graphs.py).
+    the decode step from captured CUDA graphs (graphs.py). tp, ep: under an initialized process group (`group`, default
+    torch.distributed's) of tp x ep ranks, this rank's shard, reading only its slices (exl3moe/parallel/model.py; no
+    CUDA graphs).
     """
     path = os.fspath(path)
     check_load_args(dtype, max_batch_tokens, decode_tokens)
     device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+    layout = None
+    if (tp, ep) != (1, 1):
+        from ..parallel.layout import make_layout
+
+        layout = make_layout(tp, ep, group)
     reader = open_supported(path)
     model = meta_model(path, dtype, attn_implementation)
     plan = plan_load(model, reader, reader.config["model_type"])
     load_plain_tensors(model, plan, device)
-    replace_quantized(model, plan, device, max_batch_tokens, decode_tokens)
+    if layout is None:
+        replace_quantized(model, plan, device, max_batch_tokens, decode_tokens)
+    else:
+        from ..parallel.model import load_sharded
+
+        load_sharded(model, plan, device, max_batch_tokens, decode_tokens, layout)
     rebuild_computed_buffers(model, device)
     check_materialised(model)
-    finish(model, path, device, cuda_graphs)
+    finish(model, path, device, cuda_graphs and layout is None)
     return model
 
 

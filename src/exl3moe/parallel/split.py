@@ -23,10 +23,9 @@ def _rank_range(blocks: int, rank: int, world: int, name: str) -> tuple:
     return shard_range(blocks, rank, world, name, f"blocks of {HADAMARD_SIZE}")
 
 
-def column_shard(w: EXL3Weight, rank: int, world: int) -> EXL3Weight:
-    """Rank `rank`'s output columns of `w` (whole 128-column groups with their svh and bias)."""
+def column_slice(w: EXL3Weight, first: int, stop: int) -> EXL3Weight:
+    """Output columns of blocks first..stop-1 of `w` (whole 128-column groups with their svh and bias)."""
     w.ensure_valid()
-    first, stop = _rank_range(w.out_features // HADAMARD_SIZE, rank, world, f"{w.name} (columns)")
     cols = slice(first * HADAMARD_SIZE, stop * HADAMARD_SIZE)
     tiles = slice(first * TILES_PER_BLOCK, stop * TILES_PER_BLOCK)
     bias = None if w.bias is None else w.bias[cols].contiguous()
@@ -34,14 +33,26 @@ def column_shard(w: EXL3Weight, rank: int, world: int) -> EXL3Weight:
                      name=f"{w.name}[columns {cols.start}:{cols.stop}]")
 
 
-def row_shard(w: EXL3Weight, rank: int, world: int) -> EXL3Weight:
-    """Rank `rank`'s input rows of `w` (whole 128-row groups with their suh); the bias stays on rank 0."""
+def row_slice(w: EXL3Weight, first: int, stop: int) -> EXL3Weight:
+    """Input rows of blocks first..stop-1 of `w` (whole 128-row groups with their suh); the bias stays with the
+    slice that starts at row 0."""
     w.ensure_valid()
-    first, stop = _rank_range(w.in_features // HADAMARD_SIZE, rank, world, f"{w.name} (rows)")
     rows = slice(first * HADAMARD_SIZE, stop * HADAMARD_SIZE)
     tiles = slice(first * TILES_PER_BLOCK, stop * TILES_PER_BLOCK)
     return w.replace(trellis=w.trellis[tiles].contiguous(), suh=w.suh[rows].contiguous(),
-                     bias=w.bias if rank == 0 else None, name=f"{w.name}[rows {rows.start}:{rows.stop}]")
+                     bias=w.bias if first == 0 else None, name=f"{w.name}[rows {rows.start}:{rows.stop}]")
+
+
+def column_shard(w: EXL3Weight, rank: int, world: int) -> EXL3Weight:
+    """Rank `rank`'s output columns of `w` (whole 128-column groups with their svh and bias)."""
+    w.ensure_valid()
+    return column_slice(w, *_rank_range(w.out_features // HADAMARD_SIZE, rank, world, f"{w.name} (columns)"))
+
+
+def row_shard(w: EXL3Weight, rank: int, world: int) -> EXL3Weight:
+    """Rank `rank`'s input rows of `w` (whole 128-row groups with their suh); the bias stays on rank 0."""
+    w.ensure_valid()
+    return row_slice(w, *_rank_range(w.in_features // HADAMARD_SIZE, rank, world, f"{w.name} (rows)"))
 
 
 def input_slice(rank: int, world: int, in_features: int) -> slice:
