@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from exl3moe.hf.cli_commands import add_bench_model_arguments, bench_model_main
+from exl3moe.hf_commands import add_bench_model_arguments, bench_model_main
 
 
 def plot(report: dict, path: str) -> None:
