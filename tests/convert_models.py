@@ -15,9 +15,9 @@ TINY = {
 
 
 def tiny_config(model_type: str = "qwen3_moe", layers: int = 1, tied: bool = True, **extra) -> dict:
-    return dict(model_type=model_type, hidden_size=128, num_hidden_layers=layers, num_attention_heads=1,
-                num_key_value_heads=1, head_dim=128, vocab_size=128, tie_word_embeddings=tied, rms_norm_eps=1e-6,
-                **TINY.get(model_type, {}), **extra)
+    base = dict(model_type=model_type, hidden_size=128, num_hidden_layers=layers, num_attention_heads=1,
+                num_key_value_heads=1, head_dim=128, vocab_size=128, tie_word_embeddings=tied, rms_norm_eps=1e-6)
+    return {**base, **TINY.get(model_type, {}), **extra}
 
 
 def save_tiny_model(path, config: dict, seed: int = 0):
