@@ -1,4 +1,4 @@
-"""exl3moe command line: inspect | verify | demo | warmup | bench. A usage mistake or input that cannot be read is one
+"""exl3moe command line: inspect | verify | demo | warmup | bench | quantize | stages. A usage mistake or input that cannot be read is one
 line on stderr and exit code 2; a numerical check over its limit is exit code 1."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from rich.console import Console
 
 from . import __version__
 from .checkpoint_report import inspect_checkpoint
+from .convert.commands import add_quantize_parser, add_stages_parser
 from .errors import ContractError, FormatError
 from .format.checkpoint import open_checkpoint
 from .hf_commands import add_bench_model_parser, add_generate_parser
@@ -192,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.set_defaults(func=cmd_bench)
     add_generate_parser(sub)
     add_bench_model_parser(sub)
+    add_quantize_parser(sub)
+    add_stages_parser(sub)
     return parser
 
 
