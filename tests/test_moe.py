@@ -308,7 +308,8 @@ def test_split_gate_up_for_small_batches_matches_oracle_and_is_deterministic():
     experts = random_experts(4, 512, 128, K=[3, 4, 2.5, 6], codebook=["mcg", "3inst", "mul1", "mul1"],
                              generator=torch.Generator().manual_seed(11))
     plan = moe_plan(experts, 2, 2)
-    assert plan.gate_up_splits == gate_up_splits(4, 4, 512, 128) == 4
+    assert plan.gate_up_splits == gate_up_splits(4, 512, 128) == 4
+    assert all(moe_plan(experts, T, 2).gate_up_splits == 4 for T in (1, 7, 300)), "from the shape alone"
     hidden = (torch.randn(2, 512, generator=torch.Generator().manual_seed(12)) * 0.5).half()
     ids = torch.tensor([[0, 2], [3, 1]])
     weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]])

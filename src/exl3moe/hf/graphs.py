@@ -117,11 +117,13 @@ class DecodeGraphs:
             self.graphs[layout] = captured
             self.replays += 1
             return captured.replay(kwargs)
-        del captured          # a graph of an older cache of this layout: its memory and its cache go now
-        return self._run_and_capture(layout, cache_key, kwargs)
+        # A graph of an older cache of this layout goes once its successor is captured: it keeps the shared pool
+        # in use meanwhile (a pool that no graph uses any more cannot take another capture).
+        return self._run_and_capture(layout, cache_key, kwargs, stale=captured)
 
-    def _run_and_capture(self, layout: tuple, cache_key: tuple, kwargs: dict):
-        """Run this step eagerly (its result is returned), then capture the same step on copies of its inputs."""
+    def _run_and_capture(self, layout: tuple, cache_key: tuple, kwargs: dict, stale: "_Captured | None" = None):
+        """Run this step eagerly (its result is returned), then capture the same step on copies of its inputs;
+        `stale` (the graph this one replaces) is released after the capture."""
         current = torch.cuda.current_stream()
         side = torch.cuda.Stream()
         side.wait_stream(current)
@@ -129,7 +131,7 @@ class DecodeGraphs:
             result = self.model(**kwargs)
         current.wait_stream(side)
         inputs = {path: t.clone() for path, t in step_tensors(kwargs).items()}
-        if self.pool is None:
+        if self.pool is None or (not self.graphs and stale is None):   # no graph holds the old pool: a new one
             self.pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         try:
@@ -138,6 +140,7 @@ class DecodeGraphs:
         except RuntimeError as err:        # a model whose step cannot be captured decodes eagerly
             self.failed[layout] = f"{type(err).__name__}: {err}"
             return result
+        del stale
         self.graphs[layout] = _Captured(graph, inputs, output, cache_key)
         self.captures += 1
         while len(self.graphs) > self.max_graphs:

@@ -121,7 +121,7 @@ def plan_moe_call(experts: ExpertSet, max_tokens: int, top_k: int, shared: Exper
         backend="cuda" if mma is not None else "triton" if device.type == "cuda" or interpreting() else "torch",
         chunk_tokens=chunk_tokens, slot_capacity=slots, block_m=routed_block_m, shared_block_m=shared_block_m,
         decode_k=decode_k or (INTERPRET_DECODE_K if interpreting() else GPU_DECODE_K),
-        gate_up_splits=gate_up_splits(max_slots, E, H, I), stage_max_k2=stage_max_k2, stage_formats=stage_formats,
+        gate_up_splits=gate_up_splits(E, H, I), stage_max_k2=stage_max_k2, stage_formats=stage_formats,
         base_order=tuple(order) if order else None,
         staged_order=mma is not None and not mma.direct and not mma.ws and bool(stage_formats),
         split_min_slots=split_min_slots(E), mma=mma, wide_mma=wide_mma, shared_mma=shared_mma)
@@ -137,9 +137,10 @@ def check_call_limits(experts: ExpertSet, max_tokens: int, top_k: int, slot_capa
                            stage_k2_limit(experts, stage_capacity, max_stage_bits))
 
 
-def gate_up_splits(max_slots: int, num_experts: int, hidden: int, inter: int) -> int:
-    """Hidden-size splits of gate/up, from the plan's shape alone (never from the data or the chunking)."""
-    busy = min(num_experts, max_slots) * (inter // 128)
+def gate_up_splits(num_experts: int, hidden: int, inter: int) -> int:
+    """Hidden-size splits of gate/up, from the layer's shape alone (never from the plan's size, the data or the
+    chunking), so that a token's bytes do not depend on the call it is in."""
+    busy = num_experts * (inter // 128)
     splits = 1
     while splits * 2 <= hidden // 128 and busy * splits * 2 <= SPLIT_TARGET_PROGRAMS:
         splits *= 2
