@@ -52,6 +52,18 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="module")
+def torch_path_one_thread():
+    """The ops' torch path (no interpreter) on one torch thread, for modules of whole models (spawned ranks inherit
+    both)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "0")
+        yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir():
     path = os.path.abspath(os.environ.get("EXL3MOE_FIXTURES", FIXTURES))

@@ -120,3 +120,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def synthetic_checkpoints(tmp_path_factory, configs: dict, common: dict, K: float) -> dict:
+    """model_type -> the path of a random-trellis checkpoint (exl3moe.hf.synthetic, MCG at K) for each config."""
+    from exl3moe.hf.synthetic import write_synthetic_checkpoint
+    made = {}
+    for model_type, extra in configs.items():
+        path = str(tmp_path_factory.mktemp(model_type))
+        write_synthetic_checkpoint(path, dict(model_type=model_type, **common, **extra), K=K, codebook="mcg")
+        made[model_type] = path
+    return made

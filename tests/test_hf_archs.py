@@ -16,6 +16,9 @@ from exl3moe.hf.moe_dispatch import EXL3MoEByTokens  # noqa: E402
 from exl3moe.hf.synthetic import write_synthetic_checkpoint  # noqa: E402
 from exl3moe.ops.modules import EXL3Linear  # noqa: E402
 from exl3moe.ops.moe_module import EXL3MoE  # noqa: E402
+from helpers import synthetic_checkpoints  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
 
 COMMON = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=512, head_dim=64, max_position_embeddings=256)
@@ -34,25 +37,9 @@ MOE_LAYERS = {"qwen3_moe": (2, "none"), "qwen2_moe": (2, "gated"), "mixtral": (2
               "glm4_moe": (1, "always-on"), "llama": (0, None), "qwen3": (0, None)}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def torch_path_one_thread():
-    """The torch path of the ops (the interpreter runs on the fixture in test_hf.py), one thread on shared cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "0")
-        yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made = {}
-    for model_type, extra in CONFIGS.items():
-        path = str(tmp_path_factory.mktemp(model_type))
-        write_synthetic_checkpoint(path, dict(model_type=model_type, **COMMON, **extra), K=4, codebook="mcg")
-        made[model_type] = path
-    return made
+    return synthetic_checkpoints(tmp_path_factory, CONFIGS, COMMON, K=4)
 
 
 def rel_l2(actual: torch.Tensor, expected: torch.Tensor) -> float:

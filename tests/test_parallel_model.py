@@ -14,12 +14,13 @@ import transformers  # noqa: F401  (the hf extra)
 
 import exl3moe.hf as hf
 from exl3moe.errors import ContractError
-from exl3moe.hf.synthetic import write_synthetic_checkpoint
 from exl3moe.parallel.layout import ParallelLayout, make_layout
 from exl3moe.parallel.model import linear_slices, shard_model
 from exl3moe.parallel.modules import ReducedMoE, RowParallelLinear
 
-from helpers import free_port
+from helpers import free_port, synthetic_checkpoints
+
+pytestmark = pytest.mark.usefixtures("torch_path_one_thread")
 
 COMMON = dict(hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, vocab_size=256, head_dim=64, max_position_embeddings=128)
@@ -39,25 +40,9 @@ ROW_DEPENDENT_ON_CPU = ("qwen2_moe",)
 IDS = torch.randint(0, COMMON["vocab_size"], (3, 7), generator=torch.Generator().manual_seed(3))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def torch_path_one_thread():
-    """The ops' torch path (no interpreter) and one torch thread, inherited by the spawned ranks."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TRITON_INTERPRET", "0")
-        yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    made = {}
-    for model_type, extra in CONFIGS.items():
-        path = str(tmp_path_factory.mktemp(model_type))
-        write_synthetic_checkpoint(path, dict(model_type=model_type, **COMMON, **extra), K=3, codebook="mcg")
-        made[model_type] = path
-    return made
+    return synthetic_checkpoints(tmp_path_factory, CONFIGS, COMMON, K=3)
 
 
 def rank_results(path: str, tp: int, ep: int) -> dict:
