@@ -212,7 +212,7 @@ __device__ __forceinline__ void combine_token(const Combine& cb, int token, int 
     float ys[AHEAD_SLOTS];
 #pragma unroll
     for (int j = 0; j < COMBINE_AHEAD; j++)
-        if (j < cb.top_k) ys[j] = __ldcg(y + ((size_t)token * cb.top_k + j) * hidden + c);
+        ys[j] = j < cb.top_k && (in.local >> j & 1u) ? __ldcg(y + ((size_t)token * cb.top_k + j) * hidden + c) : 0.f;
     float acc = 0.f;
 #pragma unroll
     for (int j = 0; j < COMBINE_AHEAD; j++)
