@@ -38,14 +38,17 @@ def hadamard128_rows(x, SPLIT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _hadamard_kernel(x_ptr, pre_ptr, post_ptr, out_ptr, rows, stride_x, stride_o,
-                     HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr, BM: tl.constexpr, SPLIT_BF16: tl.constexpr):
+def _hadamard_kernel(x_ptr, pre_ptr, post_ptr, row_ptr, out_ptr, rows, stride_x, stride_o,
+                     HAS_PRE: tl.constexpr, HAS_POST: tl.constexpr, HAS_ROW: tl.constexpr, BM: tl.constexpr,
+                     SPLIT_BF16: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     r = pid_m * BM + tl.arange(0, BM)
     c = pid_b * 128 + tl.arange(0, 128)
     mask = (r < rows)[:, None]
     x = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_ROW:
+        x = x * tl.load(row_ptr + r, mask=r < rows, other=1.0)[:, None]
     if HAS_PRE:
         x = x * tl.load(pre_ptr + c).to(tl.float32)[None, :]
     y = hadamard128_rows(x, SPLIT_BF16)
@@ -55,12 +58,13 @@ def _hadamard_kernel(x_ptr, pre_ptr, post_ptr, out_ptr, rows, stride_x, stride_o
 
 
 def hadamard128(x: torch.Tensor, out: torch.Tensor, pre: torch.Tensor | None = None,
-                post: torch.Tensor | None = None) -> torch.Tensor:
-    """out[r, blk] = ((x[r, blk] * pre) @ Hn128) * post per 128-column block; x, out 2-D, row stride any."""
+                post: torch.Tensor | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """out[r, blk] = ((x[r, blk] * row_scale[r] * pre) @ Hn128) * post per 128-column block; x, out 2-D, row stride
+    any; row_scale fp32 [rows]."""
     rows, cols = x.shape
     block_m = 16
     grid = (triton.cdiv(rows, block_m), cols // 128)
-    _hadamard_kernel[grid](x, pre if pre is not None else x, post if post is not None else x, out, rows,
-                           x.stride(0), out.stride(0), pre is not None, post is not None, block_m,
-                           split_bf16(x))
+    _hadamard_kernel[grid](x, pre if pre is not None else x, post if post is not None else x,
+                           row_scale if row_scale is not None else x, out, rows, x.stride(0), out.stride(0),
+                           pre is not None, post is not None, row_scale is not None, block_m, split_bf16(x))
     return out

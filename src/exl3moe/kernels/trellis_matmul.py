@@ -54,8 +54,8 @@ def _trellis_matmul_kernel(xh_ptr, words_ptr, part_ptr, rows, n, tiles_n, chunks
 
 
 @triton.jit
-def _epilogue_kernel(part_ptr, svh_ptr, bias_ptr, out_ptr, rows, n, splits, stride_o,
-                     HAS_BIAS: tl.constexpr, BM: tl.constexpr, SPLIT_BF16: tl.constexpr):
+def _epilogue_kernel(part_ptr, svh_ptr, bias_ptr, row_ptr, out_ptr, rows, n, splits, stride_o,
+                     HAS_BIAS: tl.constexpr, HAS_ROW: tl.constexpr, BM: tl.constexpr, SPLIT_BF16: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_b = tl.program_id(1)
     r = pid_m * BM + tl.arange(0, BM)
@@ -67,6 +67,8 @@ def _epilogue_kernel(part_ptr, svh_ptr, bias_ptr, out_ptr, rows, n, splits, stri
         acc += tl.load(part_ptr + s * rows * n + offs, mask=mask, other=0.0)
     y = hadamard128_rows(acc, SPLIT_BF16)
     y = y * tl.load(svh_ptr + c).to(tl.float32)[None, :]
+    if HAS_ROW:
+        y = y * (1.0 / tl.load(row_ptr + r, mask=r < rows, other=1.0))[:, None]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + c).to(tl.float32)[None, :]
     tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + c[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -97,11 +99,13 @@ def trellis_matmul(xh: torch.Tensor, trellis: torch.Tensor, K: float, codebook: 
 
 
 def trellis_epilogue(partials: torch.Tensor, svh: torch.Tensor, bias: torch.Tensor | None,
-                     out: torch.Tensor) -> torch.Tensor:
-    """out = (sum over splits in order) @ Hn128 blockwise * svh + bias, cast to out's dtype."""
+                     out: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """out = (sum over splits in order) @ Hn128 blockwise * svh / row_scale + bias, cast to out's dtype; row_scale:
+    the powers of two the input rows were multiplied by (row_scale.row_scales)."""
     splits, rows, n = partials.shape
     block_m = 16
     grid = (triton.cdiv(rows, block_m), n // 128)
-    _epilogue_kernel[grid](partials, svh, bias if bias is not None else svh, out, rows, n, splits, out.stride(0),
-                           bias is not None, block_m, split_bf16(out))
+    _epilogue_kernel[grid](partials, svh, bias if bias is not None else svh,
+                           row_scale if row_scale is not None else svh, out, rows, n, splits, out.stride(0),
+                           bias is not None, row_scale is not None, block_m, split_bf16(out))
     return out

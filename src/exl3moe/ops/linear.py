@@ -13,6 +13,7 @@ from ..format.hadamard import hadamard_blockwise
 from ..format.weight import EXL3Weight
 from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
+from ..kernels.row_scale import row_scales, row_scales_torch
 from ..kernels.trellis_decode import interpreting, trellis_decode
 from ..kernels.trellis_matmul import trellis_epilogue, trellis_matmul
 from ..kernels.split_gemm import split_ordered_gemm, warm_split_gemm
@@ -166,6 +167,8 @@ class LinearPlan:
         if self.dense_path and self.mma is not None:
             partials = max(partials, max_rows * n)   # the dense path's fp32 product
         sizes = [(max_rows * k, torch.float16), (partials, torch.float32)]
+        if self.mma is None:
+            sizes.append((max_rows, torch.float32))   # the Triton path's row scales
         if self.dense_path and self.mma is not None:
             sizes.append((k * n, torch.float16))
         if self.mma is not None:
@@ -185,7 +188,8 @@ class LinearPlan:
         if counters is not None:
             counters.zero_()
         dense = views.pop() if self.dense_path and self.mma is not None else None
-        return LinearRunner(self, *views, dense=dense, counters=counters, workspace=workspace)
+        scales = views.pop() if self.mma is None else None
+        return LinearRunner(self, *views, dense=dense, counters=counters, workspace=workspace, scales=scales)
 
     def check_weight_unchanged(self) -> None:
         """ContractError unless the plan's weight is still valid and has the tensors the plan was made for."""
@@ -209,8 +213,10 @@ class LinearRunner:
     """A plan bound to a workspace. `run` launches kernels only: no allocation, no host sync."""
 
     def __init__(self, plan: LinearPlan, xh: torch.Tensor, partials: torch.Tensor, dense: torch.Tensor | None = None,
-                 counters: torch.Tensor | None = None, workspace: torch.Tensor | None = None):
+                 counters: torch.Tensor | None = None, workspace: torch.Tensor | None = None,
+                 scales: torch.Tensor | None = None):
         self.plan = plan
+        self._scales = scales
         self.workspace = workspace   # the bytes the views below are carved from
         self._xh = xh
         self._partials = partials
@@ -250,14 +256,15 @@ class LinearRunner:
                             after_rotate=True)
                 return out
             return self._dense_cuda(x2, xh, out2, out)
-        hadamard128(x2, xh, pre=w.suh)
+        scales = row_scales(x2, w.suh, self._scales[:rows])
+        hadamard128(x2, xh, pre=w.suh, row_scale=scales)
         t = self.plan.tiles
         for r0 in range(0, rows, MAX_FUSED_ROWS):   # larger calls in 128-row blocks: the same kernel, the same bytes
             block = min(MAX_FUSED_ROWS, rows - r0)
             partials = self._partials[:t.splits * block * n].view(t.splits, block, n)
             trellis_matmul(xh[r0:r0 + block], w.trellis, w.K, w.codebook, partials, t.splits, block_rows(block),
                            t.block_n, t.block_k, t.num_warps, t.num_stages)
-            trellis_epilogue(partials, w.svh, w.bias, out2[r0:r0 + block])
+            trellis_epilogue(partials, w.svh, w.bias, out2[r0:r0 + block], scales[r0:r0 + block])
         return out
 
     def _dense_cuda(self, x2, xh, out2, out):
@@ -274,9 +281,11 @@ class LinearRunner:
 
 
 def linear_torch(x2: torch.Tensor, w: EXL3Weight) -> torch.Tensor:
-    """The torch path (CPU without the Triton interpreter): fp32 arithmetic throughout."""
-    xh = hadamard_blockwise(x2.float() * w.suh.float())
-    y = hadamard_blockwise(xh @ w.inner().float()) * w.svh.float()
+    """The torch path (CPU without the Triton interpreter): fp32 arithmetic throughout, rows scaled by powers of two
+    (row_scales_torch) so that no intermediate overflows."""
+    scales = row_scales_torch(x2, w.suh)[:, None]
+    xh = hadamard_blockwise(x2.float() * scales * w.suh.float())
+    y = hadamard_blockwise(xh @ w.inner().float()) * w.svh.float() / scales
     return y + w.bias.float() if w.bias is not None else y
 
 
