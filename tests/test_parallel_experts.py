@@ -101,3 +101,25 @@ def test_checkpoint_reads_only_the_ranks_experts(fixtures_dir, monkeypatch):
         assert torch.equal(got.trellis, want.trellis) and torch.equal(got.svh, want.svh)
     with pytest.raises(ContractError, match="world"):
         reader.experts(prefix, shard=(0, 17))
+
+
+def test_an_expert_shard_plans_its_work_as_its_whole_layer():
+    """A shard keeps the layer's expert count (layer_experts), so its splits, route-block rows and wide-block choices
+    are one process's: its experts' rows get one process's bytes."""
+    from exl3moe.ops.moe_planning import gate_up_splits, moe_mma_layout, route_block_rows, wide_route_blocks
+
+    whole = random_experts(8, 256, 128, K=3, codebook="mcg", generator=torch.Generator().manual_seed(9))
+    shard = expert_shard(whole, 1, 4)
+    assert (shard.num_experts, shard.planned_experts) == (2, 8)
+    assert expert_shard(shard, 0, 2).planned_experts == 8, "a shard of a shard plans as the whole layer"
+    for slots in (2, 16, 64, 512):
+        for block_m in (16, 32, 128):
+            a, b = moe_mma_layout(whole, slots, block_m), moe_mma_layout(shard, slots, block_m)
+            assert (a.gate_up_splits, a.gate_up_ktiles, a.down_splits, a.down_ktiles) == \
+                (b.gate_up_splits, b.gate_up_ktiles, b.down_splits, b.down_ktiles), (slots, block_m)
+        assert route_block_rows(slots, shard.planned_experts) == route_block_rows(slots, whole.num_experts)
+        assert wide_route_blocks(shard, slots, slots) == wide_route_blocks(whole, slots, slots)
+    assert gate_up_splits(shard.planned_experts, 256, 128) == gate_up_splits(8, 256, 128)
+    for bad in (1, 2.5, True):
+        with pytest.raises(ContractError, match="layer_experts"):
+            shard.replace(layer_experts=bad)

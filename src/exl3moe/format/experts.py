@@ -84,6 +84,7 @@ class ExpertSet(Frozen):
     limit: float | None = None
     stages: list = ()
     name: str = "experts"
+    layer_experts: int | None = None   # an expert-parallel shard's whole layer: plans split work as for that layer
 
     def _normalize(self) -> None:
         for proj in ("gate", "up", "down"):
@@ -99,6 +100,11 @@ class ExpertSet(Frozen):
     @property
     def num_experts(self) -> int:
         return len(self.up)
+
+    @property
+    def planned_experts(self) -> int:
+        """The expert count the plans size their work for: the whole layer's (layer_experts) for a shard."""
+        return self.layer_experts or self.num_experts
 
     @property
     def hidden_size(self) -> int:
@@ -145,6 +151,10 @@ class ExpertSet(Frozen):
                                       f"differ from the set's {want[proj][0]}x{want[proj][1]}")
                 if w.device != self.device:
                     raise FormatError(f"{n}.{proj}[{e}]", f"on {w.device}, the set is on {self.device}")
+        count = self.layer_experts
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < len(self.up)):
+            raise ContractError(f"{n}.layer_experts", f"must be None or an int of at least the set's {len(self.up)} "
+                                f"experts, got {count!r}")
         limit = self.limit
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
                                   or not 0 < limit < math.inf):
@@ -153,7 +163,7 @@ class ExpertSet(Frozen):
     def to(self, device) -> "ExpertSet":
         mv = lambda ws: None if ws is None else [w.to(device) for w in ws]  # noqa: E731
         return ExpertSet(mv(self.gate), mv(self.up), mv(self.down), self.activation, self.limit, self.stages,
-                         self.name)
+                         self.name, self.layer_experts)
 
 
 def check_shared(shared, experts: ExpertSet) -> None:

@@ -87,7 +87,7 @@ def plan_moe_call(experts: ExpertSet, max_tokens: int, top_k: int, shared: Exper
     `slot_capacity` slots, over validated experts (MoEPlan validates, check_call_limits included); block_m and
     decode_k: the caller's, else chosen; stage_*: the residual stages to accept (stage_limits). The CUDA experts'
     kernels are compiled here (CUDA C++ where they can run, before any capture; the Triton kernels otherwise)."""
-    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    E, H, I = experts.planned_experts, experts.hidden_size, experts.intermediate_size   # a shard plans as its layer
     device, max_slots = experts.device, max_tokens * top_k
     chunk_tokens = min(max_tokens, slot_capacity // top_k)
     slots = chunk_tokens * top_k
@@ -100,7 +100,7 @@ def plan_moe_call(experts: ExpertSet, max_tokens: int, top_k: int, shared: Exper
         cuda_block_m = WIDE_BLOCK_M
     # The CUDA experts' route blocks are grid rows (at most 65535; half that beside stage blocks, stage_blocks).
     rows = MAX_GRID_ROWS // 2 if stage_formats else MAX_GRID_ROWS
-    cuda = cuda and route_pack_max_blocks(slots, E, cuda_block_m) <= rows
+    cuda = cuda and route_pack_max_blocks(slots, experts.num_experts, cuda_block_m) <= rows
     routed_block_m = cuda_block_m if cuda else block_m or route_block_rows(slots, E)
     direct = direct_route(slots, routed_block_m, format_count(experts))
     shared_cuda = shared is not None and nvrtc.available(device) and supported(shared, 0)
@@ -217,7 +217,7 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
     """Formats and splits for an ExpertSet (no compilation); stage_formats ((2K, codebook id), ...) are the
     residual formats compiled in (each one more mainloop, and more registers); direct routes each slot on its
     own (direct_route)."""
-    E, H, I = experts.num_experts, experts.hidden_size, experts.intermediate_size
+    E, H, I = experts.planned_experts, experts.hidden_size, experts.intermediate_size
     fmt = projection_formats(experts)
     warps = warps_for(block_m)
     busy = max(min(E, max_slots), -(-max_slots // block_m))  # route blocks of a full call
@@ -296,7 +296,7 @@ def wide_route_blocks(experts, slots: int, max_slots: int) -> bool:
     experts then hold 129-192 rows, which one block decodes once instead of two. A 192-row block costs ~1.2x a
     128-row one of the same rows (its 8 producers wait on their words), so fewer rows per expert, or more (two blocks
     either way), keep 128. Only where wide_blocks_run; EXL3MOE_MOE_WS_192=0 keeps 128."""
-    return (WIDE_MIN_ROWS * experts.num_experts <= slots <= WIDE_MAX_ROWS * experts.num_experts
+    return (WIDE_MIN_ROWS * experts.planned_experts <= slots <= WIDE_MAX_ROWS * experts.planned_experts
             and os.environ.get("EXL3MOE_MOE_WS_192", "1") != "0" and wide_blocks_run(experts, max_slots))
 
 
@@ -306,7 +306,7 @@ def split_route_blocks(experts, slots: int, max_slots: int) -> bool:
     decoded once, one of up to 128 (or 193-256) rows pays for no 192-row block, one of 257-320 takes one of each.
     Only where wide_blocks_run and 128-row blocks are warp-specialized; EXL3MOE_MOE_SPLIT_ROUTE=0 keeps one size
     (wide_route_blocks)."""
-    return (slots >= split_min_slots(experts.num_experts) and os.environ.get("EXL3MOE_MOE_SPLIT_ROUTE", "1") != "0"
+    return (slots >= split_min_slots(experts.planned_experts) and os.environ.get("EXL3MOE_MOE_SPLIT_ROUTE", "1") != "0"
             and wide_blocks_run(experts, max_slots))
 
 

@@ -30,7 +30,7 @@ def expert_shard(experts: ExpertSet, rank: int, world: int) -> ExpertSet:
     first, stop = expert_range(experts.num_experts, rank, world)
     pick = lambda ws: None if ws is None else list(ws[first:stop])  # noqa: E731
     return experts.replace(gate=pick(experts.gate), up=pick(experts.up), down=pick(experts.down),
-                           name=f"{experts.name}[experts {first}:{stop}]")
+                           name=f"{experts.name}[experts {first}:{stop}]", layer_experts=experts.planned_experts)
 
 
 def local_ids(topk_ids: torch.Tensor, first: int, count: int) -> torch.Tensor:
