@@ -128,6 +128,15 @@ def test_torch_path_matches_reference(monkeypatch):
     assert rel_l2(linear(x, w), reference.linear(x, w)) < 2e-3
 
 
+def test_torch_path_row_bytes_do_not_depend_on_batch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    w = random_weight(384, 256, 4, "mcg", bias=True, generator=torch.Generator().manual_seed(8))
+    x = inputs(300, 384, 9)
+    full = linear(x, w, out_dtype=torch.float32)
+    for rows in (1, 2, 7, 16, 17, 129, 299):
+        assert torch.equal(linear(x[:rows], w, out_dtype=torch.float32), full[:rows]), rows
+
+
 @interpreted
 def test_plan_bind_run_reuses_workspace():
     w = random_weight(128, 256, 4, "mcg")

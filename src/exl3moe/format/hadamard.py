@@ -32,3 +32,16 @@ def hadamard_blockwise(x: torch.Tensor, name: str = "x") -> torch.Tensor:
         raise FormatError(name, f"last dim {n} is not a multiple of {HAD} (blockwise Hadamard)")
     h = hadamard_matrix(x.dtype, x.device)
     return (x.reshape(*x.shape[:-1], n // HAD, HAD) @ h).reshape(x.shape)
+
+
+def hadamard_blockwise_by_rows(x: torch.Tensor) -> torch.Tensor:
+    """hadamard_blockwise by butterflies: elementwise sums in a fixed order, so that a row's values never depend on
+    the rows beside it (a matrix product's may); last dim a multiple of 128."""
+    lead, n = x.shape[:-1], x.shape[-1]
+    y = x.reshape(-1, n)
+    half = 1
+    while half < HAD:
+        pairs = y.reshape(-1, n // (2 * half), 2, half)
+        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
+        half *= 2
+    return y.reshape(*lead, n) * (1.0 / math.sqrt(HAD))

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import ContractError
-from ..format.hadamard import hadamard_blockwise
+from ..format.hadamard import hadamard_blockwise_by_rows
 from ..format.weight import EXL3Weight
 from ..kernels import nvrtc
 from ..kernels.hadamard import hadamard128
@@ -282,10 +282,13 @@ class LinearRunner:
 
 def linear_torch(x2: torch.Tensor, w: EXL3Weight) -> torch.Tensor:
     """The torch path (CPU without the Triton interpreter): fp32 arithmetic throughout, rows scaled by powers of two
-    (row_scales_torch) so that no intermediate overflows."""
+    (row_scales_torch) so that no intermediate overflows; each row on its own (butterfly Hadamards, a batched
+    product of one-row matrices: a BLAS product of many rows sums in an order that depends on their count)."""
     scales = row_scales_torch(x2, w.suh)[:, None]
-    xh = hadamard_blockwise(x2.float() * scales * w.suh.float())
-    y = hadamard_blockwise(xh @ w.inner().float()) * w.svh.float() / scales
+    xh = hadamard_blockwise_by_rows(x2.float() * scales * w.suh.float())
+    inner = w.inner().float()
+    y = torch.bmm(xh[:, None, :], inner.expand(xh.shape[0], *inner.shape))[:, 0]
+    y = hadamard_blockwise_by_rows(y) * w.svh.float() / scales
     return y + w.bias.float() if w.bias is not None else y
 
 
