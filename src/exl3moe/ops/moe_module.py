@@ -28,7 +28,7 @@ from ..errors import ContractError, FormatError
 from ..format.experts import ExpertSet
 from .contracts import check_matrix
 from .moe import OUTPUT_DTYPES, moe_plan
-from .router import Router
+from .router import Router, router_logits
 from .workspaces import shared_buffer, workspace_for
 
 # HF hidden_act values and the ExpertSet activation each maps to (gelu* -> the tanh form the kernels compute).
@@ -171,7 +171,7 @@ class EXL3MoE(nn.Module):
             return out
         routed, shared = self._scratch["routed"][:T], self._scratch["shared"][:T]
         self._runners[0].run(x, topk_ids, topk_weights, routed)
-        gate = torch.sigmoid(x.float() @ self.shared_gate)
+        gate = torch.sigmoid(router_logits(x, self.shared_gate.t()))
         self._runners[1].run(x, self._scratch["shared_ids"][:T], gate, shared)
         out_rows.copy_(routed.add_(shared))
         return out
