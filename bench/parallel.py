@@ -26,6 +26,7 @@ from parallel_report import plot, print_table, summarize, with_ratios
 
 TOKENS = [1, 4, 16, 64, 1024, 4096]
 CHECK_TOKENS = [64, 1024]
+BACKENDS = ("cuda", "triton", "torch")   # MoECallPlan.backend
 
 
 class Group:
@@ -87,8 +88,9 @@ def replay_us(calls, replays: int, graphs: bool, sync) -> float:
 
 
 def layer_calls(experts, x, routes, top_k: int, reduce: bool, first=None) -> tuple:
-    """(one call per routing, the fp16 output they write): the layer on `x`; with `reduce`, fp32 partials all-reduced
-    then cast; `first` renumbers the routing for an expert shard starting there."""
+    """(one call per routing, the fp16 output they write, the experts' kernels: "cuda" or "triton" or "torch"): the
+    layer on `x`; with `reduce`, fp32 partials all-reduced then cast; `first` renumbers the routing for an expert
+    shard starting there."""
     T, H = x.shape
     plan = moe_plan(experts, T, top_k, out_dtype=torch.float32 if reduce else torch.float16)
     runner = plan.bind(plan.allocate())
@@ -102,7 +104,7 @@ def layer_calls(experts, x, routes, top_k: int, reduce: bool, first=None) -> tup
         if reduce:
             all_reduce_sum(partial)
             out.copy_(partial)
-    return [lambda r=r: call(*r) for r in routes], out
+    return [lambda r=r: call(*r) for r in routes], out, plan.call_plan.backend
 
 
 def shards(whole, group) -> dict:
@@ -112,33 +114,36 @@ def shards(whole, group) -> dict:
             f"ep{group.world}": (expert_shard(whole, group.rank, group.world), first)}
 
 
-def inputs(shape_seed: int, T: int, H: int, E: int, top_k: int, device) -> tuple:
-    """(x, routings): the same on every rank (seeded by shape and token count)."""
+def inputs(shape_seed: int, T: int, H: int, E: int, top_k: int, device, count=None) -> tuple:
+    """(x, routings): the same on every rank (seeded by shape and token count); `count` routings, else bench/moe.py's
+    number for T tokens."""
     gen = torch.Generator(device=device).manual_seed(shape_seed * 100003 + T)
     x = (torch.randn(T, H, device=device, generator=gen) * 0.3).half()
-    return x, routings(T, E, top_k, gen)
+    routes = routings(T, E, top_k, gen)
+    return x, routes[:count] if count else routes
 
 
 def measure_point(shape: str, T: int, whole, split_experts: dict, group, args) -> list:
     """The rows of one (shape, tokens): one GPU, each split, and the all-reduce alone."""
     H, _, E, top_k = args.shapes[shape]
-    x, routes = inputs(list(args.shapes).index(shape), T, H, E, top_k, group.device)
+    x, routes = inputs(list(args.shapes).index(shape), T, H, E, top_k, group.device, args.routings)
     graphs = group.cuda and not args.eager
     rows = []
     if group.rank == 0:
-        one_calls, _ = layer_calls(whole, x, routes, top_k, reduce=False)
+        one_calls, _, kernels = layer_calls(whole, x, routes, top_k, reduce=False)
         one = replay_us(one_calls, args.replays, graphs, lambda: None)
-        rows.append(dict(mode="one", us=round(one, 2), rank_us=[round(one, 2)]))
+        rows.append(dict(mode="one", us=round(one, 2), rank_us=[round(one, 2)], experts=[kernels]))
     group.sync()
     buf = torch.zeros(T, H, dtype=torch.float32, device=group.device)
     collective = max(group.gather(replay_us([lambda: all_reduce_sum(buf)] * len(routes), args.replays, graphs,
                                             group.sync)))
     for name, (experts, first) in split_experts.items():
         group.sync()
-        calls, _ = layer_calls(experts, x, routes, top_k, reduce=True, first=first)
+        calls, _, kernels = layer_calls(experts, x, routes, top_k, reduce=True, first=first)
         per_rank = group.gather(replay_us(calls, args.replays, graphs, group.sync))
+        backends = [BACKENDS[int(i)] for i in group.gather(BACKENDS.index(kernels))]
         rows.append(dict(mode=name, us=round(max(per_rank), 2), rank_us=[round(u, 2) for u in per_rank],
-                         collective_us=round(collective, 2)))
+                         collective_us=round(collective, 2), experts=backends))
     group.sync()
     for row in rows:
         row.update(shape=shape, tokens=T, calls=len(routes), graphs=graphs)
@@ -146,7 +151,7 @@ def measure_point(shape: str, T: int, whole, split_experts: dict, group, args) -
 
 
 def run_once(experts, x, routes, top_k, first, reduce) -> torch.Tensor:
-    calls, out = layer_calls(experts, x, routes[:1], top_k, reduce=reduce, first=first)
+    calls, out, _ = layer_calls(experts, x, routes[:1], top_k, reduce=reduce, first=first)
     calls[0]()
     return out.clone()
 
@@ -253,6 +258,7 @@ def parse(argv=None):
     ap.add_argument("--backend", choices=("nccl", "gloo"), default=None, help="default nccl on cuda, gloo on cpu")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs (always so on the CPU)")
     ap.add_argument("--replays", type=int, default=10)
+    ap.add_argument("--routings", type=int, help="routings (calls) per timed graph; default bench/moe.py's")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=int, default=600, help="seconds a collective may wait for the other ranks")
     ap.add_argument("--from-json", help="print the table (and --plot) of an earlier result file; no processes")

@@ -54,11 +54,12 @@ def print_table(doc: dict) -> None:
     splits = (f"tp{world}", f"ep{world}")
     print(f"{doc['gpu']} x{world}, torch {doc['torch']}, nccl {doc.get('nccl')}, graphs {doc['graphs']}")
     print(f"{'shape':16s}{'tokens':>7s}{'one us':>10s}" + "".join(f"{m + ' us':>11s}{'ratio':>7s}{'coll':>6s}"
-                                                                    for m in splits) + f"{'allreduce us':>14s}")
+                                                                    for m in splits) + f"{'allreduce us':>14s}  experts")
     for (shape, T), modes in _points(doc["results"], world).items():
         cells = "".join(f"{modes[m]['us']:11.1f}{modes[m]['ratio']:7.2f}{modes[m]['collective_share']:6.2f}"
                         for m in splits)
-        print(f"{shape:16s}{T:7d}{modes['one']['us']:10.1f}{cells}{modes[splits[0]]['collective_us']:14.1f}")
+        kernels = "/".join(sorted({k for r in modes.values() for k in r.get("experts", [])}))
+        print(f"{shape:16s}{T:7d}{modes['one']['us']:10.1f}{cells}{modes[splits[0]]['collective_us']:14.1f}  {kernels}")
     large = doc["summary"]["large_tokens"]
     print(f"target: {large['target']}: {'met' if large['met'] else 'NOT met' if large['met'] is False else 'n/a'}")
     for p in doc["summary"]["small_tokens"]["points"]:
