@@ -11,6 +11,7 @@ parallel/modules.py's ReducedMoE). `--check` runs each split twice and compares 
 
 import argparse
 import datetime
+import json
 import os
 import statistics
 import time
@@ -65,7 +66,7 @@ def replay_us(calls, replays: int, graphs: bool, sync) -> float:
     times = []
     if graphs:
         from exl3moe.timing import capture_graph
-        graph = capture_graph(calls)
+        graph = capture_graph(calls, "thread_local")
         for _ in range(replays):
             sync()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -192,11 +193,21 @@ def run_record(group, args) -> dict:
     return info
 
 
-def main(args) -> None:
-    import json
+def write_doc(group, args, results: list, checks: list) -> dict:
+    """The result file as far as measured (a run stopped part way keeps its points)."""
+    rows = with_ratios(results)
+    shapes = {k: dict(zip(("hidden", "intermediate", "experts", "top_k"), v)) for k, v in args.shapes.items()}
+    doc = {**run_record(group, args), "shapes": shapes, "results": rows, "summary": summarize(rows, group.world),
+           **({"determinism": checks} if args.check else {})}
+    with open(args.out, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    return doc
 
+
+def main(args) -> None:
     group = Group(args.device, args.backend, args.timeout)
     results, checks = [], []
+
     for shape, (H, I, E, top_k) in args.shapes.items():
         gen = torch.Generator(device=group.device).manual_seed(args.seed)
         whole = random_layer(H, I, E, [4], "mcg", gen)
@@ -208,20 +219,17 @@ def main(args) -> None:
             results += rows
             if group.rank == 0:
                 print(" ".join(f"{r['mode']} {r['us']:.1f} us" for r in rows), f"<- {shape} T={T}", flush=True)
+                write_doc(group, args, results, checks)
         if args.check:
             for T in args.check_tokens:
                 checks += check_point(shape, T, whole, split_experts, group, args)
+            if group.rank == 0:
+                write_doc(group, args, results, checks)
         del whole, split_experts
         if group.cuda:
             torch.cuda.empty_cache()
     if group.rank == 0:
-        results = with_ratios(results)
-        doc = {**run_record(group, args), "shapes": {k: dict(zip(("hidden", "intermediate", "experts", "top_k"), v))
-                                                     for k, v in args.shapes.items()},
-               "results": results, "summary": summarize(results, group.world),
-               **({"determinism": checks} if args.check else {})}
-        with open(args.out, "w") as fh:
-            json.dump(doc, fh, indent=1)
+        doc = write_doc(group, args, results, checks)
         print_table(doc)
         if args.plot:
             plot(doc, args.plot)
@@ -271,7 +279,6 @@ def parse(argv=None):
 if __name__ == "__main__":
     cli = parse()
     if cli.from_json:
-        import json
         with open(cli.from_json) as fh:
             loaded = json.load(fh)
         print_table(loaded)

@@ -18,7 +18,7 @@ def with_ratios(results: list) -> list:
     return out
 
 
-def _points(results: list, world: int) -> dict:
+def _points(results: list) -> dict:
     """{(shape, tokens): {mode: row}} in measured order."""
     points = {}
     for r in results:
@@ -30,7 +30,7 @@ def summarize(results: list, world: int) -> dict:
     """The issue's two targets, judged on rows that carry ratios (with_ratios)."""
     splits = (f"tp{world}", f"ep{world}")
     large, small = [], []
-    for (shape, T), modes in _points(results, world).items():
+    for (shape, T), modes in _points(results).items():
         best = min(splits, key=lambda m: modes[m]["us"])
         if T >= LARGE_TOKENS:
             ratio = modes[best]["ratio"]
@@ -53,9 +53,9 @@ def print_table(doc: dict) -> None:
     world = doc["world_size"]
     splits = (f"tp{world}", f"ep{world}")
     print(f"{doc['gpu']} x{world}, torch {doc['torch']}, nccl {doc.get('nccl')}, graphs {doc['graphs']}")
-    print(f"{'shape':16s}{'tokens':>7s}{'one us':>10s}" + "".join(f"{m + ' us':>11s}{'ratio':>7s}{'coll':>6s}"
-                                                                    for m in splits) + f"{'allreduce us':>14s}  experts")
-    for (shape, T), modes in _points(doc["results"], world).items():
+    heads = "".join(f"{m + ' us':>11s}{'ratio':>7s}{'coll':>6s}" for m in splits)
+    print(f"{'shape':16s}{'tokens':>7s}{'one us':>10s}{heads}{'allreduce us':>14s}  experts")
+    for (shape, T), modes in _points(doc["results"]).items():
         cells = "".join(f"{modes[m]['us']:11.1f}{modes[m]['ratio']:7.2f}{modes[m]['collective_share']:6.2f}"
                         for m in splits)
         kernels = "/".join(sorted({k for r in modes.values() for k in r.get("experts", [])}))
