@@ -20,10 +20,10 @@ CALLS, SMALL_CALLS, SMALL_TOKENS = 4, 16, 32
 
 
 def random_weight(k, n, K, codebook, gen):
-    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, int(16 * K)), dtype=torch.int16, device="cuda",
+    trellis = torch.randint(-32768, 32767, (k // 16, n // 16, int(16 * K)), dtype=torch.int16, device=gen.device,
                             generator=gen)
-    suh = (torch.rand(k, device="cuda", generator=gen) + 0.5).half() / 32
-    svh = (torch.rand(n, device="cuda", generator=gen) + 0.5).half()
+    suh = (torch.rand(k, device=gen.device, generator=gen) + 0.5).half() / 32
+    svh = (torch.rand(n, device=gen.device, generator=gen) + 0.5).half()
     return EXL3Weight(trellis, suh, svh, codebook)
 
 
@@ -37,7 +37,7 @@ def random_layer(hidden, inter, E, Ks, codebook, gen, contiguous=False):
 def routings(T, E, top_k, gen):
     out = []
     for _ in range(SMALL_CALLS if T < SMALL_TOKENS else CALLS):
-        logits = torch.randn(T, E, device="cuda", generator=gen)
+        logits = torch.randn(T, E, device=gen.device, generator=gen)
         w, ids = torch.softmax(logits, -1).topk(top_k, -1)
         out.append((ids.to(torch.int32).contiguous(), (w / w.sum(-1, keepdim=True)).contiguous()))
     return out

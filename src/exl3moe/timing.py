@@ -13,8 +13,9 @@ def copies_for(bytes_per_copy: int, at_least: int = 2, at_most: int = 1024) -> i
     return max(at_least, min(at_most, -(-L2_ROTATION_BYTES // max(1, bytes_per_copy))))
 
 
-def capture_graph(calls) -> torch.cuda.CUDAGraph:
-    """All `calls` run once on a side stream, then captured in one CUDA graph (replayed once)."""
+def capture_graph(calls, capture_error_mode: str = "global") -> torch.cuda.CUDAGraph:
+    """All `calls` run once on a side stream, then captured in one CUDA graph (replayed once); capture_error_mode as
+    torch.cuda.graph's ("thread_local" lets other threads, e.g. NCCL's watchdog, call CUDA meanwhile)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -23,7 +24,7 @@ def capture_graph(calls) -> torch.cuda.CUDAGraph:
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, capture_error_mode=capture_error_mode):
         for fn in calls:
             fn()
     graph.replay()
