@@ -30,6 +30,8 @@ from .trellis_decode import decode_words, gather_setup, interpreting, load_word_
 BLOCK_N = tl.constexpr(128)
 # Activation ids of the kernels (the ACTIVATION constexpr).
 ACTIVATION_ID = {"silu": 0, "gelu": 1, "relu2": 2}
+# The largest finite fp32 value: a gate of +-inf is clamped to it before the activation.
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # Warps per program: at 4 warps the sm_90 build of gate/up spills registers (cuobjdump), at 8 it does not (BM 16).
 NUM_WARPS = 8
 
@@ -146,6 +148,7 @@ def _activate(g, u, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, limit):
         if HAS_LIMIT:
             a = tl.minimum(a, limit)
         return a * a
+    g = tl.minimum(tl.maximum(g, -FP32_MAX), FP32_MAX)   # an overflowed gate activates as its finite neighbour
     if ACTIVATION == 0:
         a = g * _sigmoid(g)
     else:

@@ -12,6 +12,8 @@ from ..kernels.row_scale import fp32_row_scales_torch, row_scales_torch
 from ..reference.moe import activate
 from .tables import PROJECTIONS, MoETables
 
+FP32_MAX = torch.finfo(torch.float32).max
+
 
 def _projection_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, proj: str, e: int,
                       scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,6 +43,8 @@ def _expert_torch(x32: torch.Tensor, scales: torch.Tensor, experts: ExpertSet, t
     """Expert e on rows x32 [rows, H] fp32 that were multiplied by their powers of two scales [rows, 1]."""
     up = _projection_torch(x32, experts, tables, "up", e, scales)
     gate = _projection_torch(x32, experts, tables, "gate", e, scales) if experts.gated else None
+    if gate is not None:   # an overflowed gate activates as its finite neighbour, as in the kernels
+        gate = gate.clamp(-FP32_MAX, FP32_MAX)
     h = activate(gate, up, experts.activation, experts.limit)
     return _projection_torch(h, experts, tables, "down", e)
 
