@@ -42,15 +42,6 @@ def routing(T, seed):
     return ids.to(torch.int32), weights / weights.sum(-1, keepdim=True)
 
 
-@pytest.fixture(params=["interpreter", "torch"])
-def path(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1")
-    return request.param
-
-
 def checked_tokens(out, ref, out_dtype, label):
     """Assert every token whose float64 result the output dtype holds to the bound; return how many were."""
     checked = 0
@@ -69,7 +60,8 @@ def checked_tokens(out, ref, out_dtype, label):
 @pytest.mark.parametrize("in_dtype,activation,limit,shared,below", [
     (torch.float16, "silu", None, True, float("inf")), (torch.bfloat16, "silu", None, True, float("inf")),
     (torch.float16, "gelu", 1e-20, False, 0.1), (torch.bfloat16, "silu", 8.0, False, float("inf"))])
-def test_tokens_of_any_magnitude_stay_within_the_bound(path, in_dtype, activation, limit, shared, below):
+def test_tokens_of_any_magnitude_stay_within_the_bound(kernel_path, in_dtype, activation, limit, shared,
+                                                       below):
     g = torch.Generator().manual_seed(11)
     experts = random_experts(E, H, I, K=[4, 3, 2, 4], codebook=["mcg", "3inst", "mul1", "mcg"], activation=activation,
                              limit=limit, generator=g)
@@ -80,7 +72,7 @@ def test_tokens_of_any_magnitude_stay_within_the_bound(path, in_dtype, activatio
     checked = 0
     for out_dtype in OUTPUT_DTYPES:
         out = fused_experts(hidden, experts, ids, weights, shared=shared_expert, out_dtype=out_dtype)
-        checked += checked_tokens(out, ref, out_dtype, path)
+        checked += checked_tokens(out, ref, out_dtype, kernel_path)
     assert checked >= hidden.shape[0], "most tokens' results are finite in the output dtypes"
 
 
