@@ -55,13 +55,8 @@ def checked_tokens(out, ref, out_dtype, label):
     return checked
 
 
-# A limit of 1e-20 makes h = act(gate) * 1e-20: for |gate| >> 1 act(gate) is far smaller than gate's rounding error (an
-# ill-conditioned layer, whatever the intermediates' range), so that case takes tokens up to 1e-2 (gates below 1).
-@pytest.mark.parametrize("in_dtype,activation,limit,shared,below", [
-    (torch.float16, "silu", None, True, float("inf")), (torch.bfloat16, "silu", None, True, float("inf")),
-    (torch.float16, "gelu", 1e-20, False, 0.1), (torch.bfloat16, "silu", 8.0, False, float("inf"))])
-def test_tokens_of_any_magnitude_stay_within_the_bound(kernel_path, in_dtype, activation, limit, shared,
-                                                       below):
+def check_range(in_dtype, activation, limit, shared, below, device, label):
+    """Every output dtype of fused_experts on `device` within the bound of float64, for most tokens."""
     g = torch.Generator().manual_seed(11)
     experts = random_experts(E, H, I, K=[4, 3, 2, 4], codebook=["mcg", "3inst", "mul1", "mcg"], activation=activation,
                              limit=limit, generator=g)
@@ -69,11 +64,33 @@ def test_tokens_of_any_magnitude_stay_within_the_bound(kernel_path, in_dtype, ac
     hidden = tokens_of_magnitudes(in_dtype, 12, below)
     ids, weights = routing(hidden.shape[0], 13)
     ref = moe(hidden, experts, ids, weights, shared=shared_expert)
+    if device != "cpu":
+        experts, hidden, ids, weights = experts.to(device), hidden.to(device), ids.to(device), weights.to(device)
+        shared_expert = shared_expert.to(device) if shared else None
+        assert moe_plan(experts, hidden.shape[0], TOP_K, shared_expert).mma is None, "the Triton experts"
     checked = 0
     for out_dtype in OUTPUT_DTYPES:
         out = fused_experts(hidden, experts, ids, weights, shared=shared_expert, out_dtype=out_dtype)
-        checked += checked_tokens(out, ref, out_dtype, kernel_path)
+        checked += checked_tokens(out.cpu(), ref, out_dtype, label)
     assert checked >= hidden.shape[0], "most tokens' results are finite in the output dtypes"
+
+
+# A limit of 1e-20 makes h = act(gate) * 1e-20: for |gate| >> 1 act(gate) is far smaller than gate's rounding error (an
+# ill-conditioned layer, whatever the intermediates' range), so that case takes tokens up to 1e-2 (gates below 1).
+CASES = [(torch.float16, "silu", None, True, float("inf")), (torch.bfloat16, "silu", None, True, float("inf")),
+         (torch.float16, "gelu", 1e-20, False, 0.1), (torch.bfloat16, "silu", 8.0, False, float("inf"))]
+
+
+@pytest.mark.parametrize("in_dtype,activation,limit,shared,below", CASES)
+def test_tokens_of_any_magnitude_stay_within_the_bound(kernel_path, in_dtype, activation, limit, shared, below):
+    check_range(in_dtype, activation, limit, shared, below, "cpu", kernel_path)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_dtype,activation,limit,shared,below", CASES)
+def test_triton_experts_on_the_gpu_stay_within_the_bound(monkeypatch, in_dtype, activation, limit, shared, below):
+    monkeypatch.setenv("EXL3MOE_CUDA_KERNELS", "0")   # the Triton experts, as on GPUs without cuda-bindings
+    check_range(in_dtype, activation, limit, shared, below, "cuda", "triton on the gpu")
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (the torch path's "
