@@ -26,8 +26,9 @@ def stages(runner, hidden, ids, weights, out):
         max_blocks = route_pack_max_blocks(slots, tables.num_experts, plan.block_m)
         route = (ws["block_expert"][:max_blocks], ws["block_start"][:max_blocks], ws["offsets"],
                  ws["sorted_slots"][:slots])
-        launches["gate_up (no split)"] = lambda: moe_gate_up(hidden, ws["h_rot"], route, slots, ids.shape[1], tables,
-                                                             max_blocks, True, plan.block_m, plan.decode_k)
+        launches["gate_up (no split)"] = lambda: moe_gate_up(hidden, ws["token_scale"], ws["h32"], route, slots,
+                                                             ids.shape[1], tables, max_blocks, True, plan.block_m,
+                                                             plan.decode_k)
     return launches
 
 

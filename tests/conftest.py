@@ -64,6 +64,16 @@ def torch_path_one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(params=["interpreter", "torch"])
+def kernel_path(request, monkeypatch):
+    """Each test twice: its kernels under the Triton interpreter, then on the torch path (no interpreter)."""
+    if request.param == "torch":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def fixtures_dir():
     path = os.path.abspath(os.environ.get("EXL3MOE_FIXTURES", FIXTURES))

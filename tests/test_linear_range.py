@@ -27,17 +27,8 @@ def rows_of_magnitudes(dtype, k, seed):
     return torch.cat(rows).to(dtype)
 
 
-@pytest.fixture(params=["interpreter", "torch"])
-def path(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1")
-    return request.param
-
-
 @pytest.mark.parametrize("in_dtype", [torch.float16, torch.bfloat16])
-def test_rows_of_any_magnitude_stay_within_the_bound(path, in_dtype):
+def test_rows_of_any_magnitude_stay_within_the_bound(kernel_path, in_dtype):
     w = random_weight(256, 128, 4, "mcg", generator=torch.Generator().manual_seed(3))
     w = w.replace(suh=torch.ones(256, dtype=torch.float16), svh=torch.full((128,), 1e-3, dtype=torch.float16))
     x = rows_of_magnitudes(in_dtype, 256, 4)
@@ -50,7 +41,7 @@ def test_rows_of_any_magnitude_stay_within_the_bound(path, in_dtype):
             if biggest >= FINITE[out_dtype] or biggest < torch.finfo(out_dtype).tiny * 1024:
                 continue   # not representable to the bound in the output dtype itself
             err = ((y[r].double() - ref[r]).norm() / ref[r].norm()).item()
-            assert err < LIMIT[out_dtype], (path, out_dtype, r, err)
+            assert err < LIMIT[out_dtype], (kernel_path, out_dtype, r, err)
             checked += 1
     assert checked >= 2 * x.shape[0], "most rows' results are finite in the output dtypes"
 

@@ -4,15 +4,17 @@ Rows are the routed slots of one chunk, grouped by route_pack into route blocks 
 expert (`ROUTED`), or simply all tokens for the shared expert (not `ROUTED`, expert 0).
 
 gate/up kernel, grid (route block, I / 128): for each 128-wide k-chunk of the hidden size it loads the
-block's token rows of x once, scales by each projection's suh, rotates with the 128-Hadamard (factored as
+block's token rows of x once, multiplies them by their token's power of two (row_scale.row_scales; 1 for ordinary
+tokens) and by each projection's suh, rotates with the 128-Hadamard (factored as
 H_{128/DK} kron H_DK: one DK-point tensor-core transform per chunk, then a signed sum per DK-wide slice)
 and multiplies each slice by W_inner[slice, column block] decoded on the fly (runtime K and codebook per
-expert, plus residual stages); the epilogue applies the output Hadamard, svh, bias, the activation (and clamp
-limit), then down's suh and input Hadamard, and stores fp16 rows of h_rot [slot position, I]: down's
-rotated input for k-chunk = this column block.
+expert, plus residual stages); the epilogue applies the output Hadamard, svh, the token's power of two undone,
+bias, the activation (and clamp limit), then down's suh and input Hadamard, and stores fp32 rows of h32 [slot
+position, I]: down's rotated input for k-chunk = this column block. moe_intermediate.py scales each complete row
+by a power of two into fp16 h_rot.
 
-down kernel, grid (route block, H / 128): h_rot rows @ decoded W_down, output Hadamard, svh, bias;
-stores fp32 unweighted rows y[slot, H] (the combine applies routing weights in slot order).
+down kernel, grid (route block, H / 128): h_rot rows @ decoded W_down, output Hadamard, svh, the row's power of two
+undone, bias; stores fp32 unweighted rows y[slot, H] (the combine applies routing weights in slot order).
 
 Every output row depends only on its own input row: no reduction crosses rows of a block.
 """
@@ -28,6 +30,8 @@ from .trellis_decode import decode_words, gather_setup, interpreting, load_word_
 BLOCK_N = tl.constexpr(128)
 # Activation ids of the kernels (the ACTIVATION constexpr).
 ACTIVATION_ID = {"silu": 0, "gelu": 1, "relu2": 2}
+# The largest finite fp32 value: a gate of +-inf is clamped to it before the activation.
+FP32_MAX = tl.constexpr(3.4028234663852886e38)
 # Warps per program: at 4 warps the sm_90 build of gate/up spills registers (cuobjdump), at 8 it does not (BM 16).
 NUM_WARPS = 8
 
@@ -144,6 +148,7 @@ def _activate(g, u, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, limit):
         if HAS_LIMIT:
             a = tl.minimum(a, limit)
         return a * a
+    g = tl.minimum(tl.maximum(g, -FP32_MAX), FP32_MAX)   # an overflowed gate activates as its finite neighbour
     if ACTIVATION == 0:
         a = g * _sigmoid(g)
     else:
@@ -156,9 +161,10 @@ def _activate(g, u, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, limit):
 
 
 @triton.jit
-def _epilogue(acc, svh, bias_ptr, cols, HAS_BIAS: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    """Output Hadamard, svh and bias of one 128-column block (fp32)."""
+def _epilogue(acc, svh, bias_ptr, cols, unscale, HAS_BIAS: tl.constexpr, SPLIT_BF16: tl.constexpr):
+    """Output Hadamard, svh, the rows' powers of two `unscale` [BM] and bias of one 128-column block (fp32)."""
     y = hadamard128_rows(acc, SPLIT_BF16) * tl.load(svh + cols).to(tl.float32)[None, :]
+    y = y * unscale[:, None]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + cols)[None, :]
     return y
@@ -166,7 +172,7 @@ def _epilogue(acc, svh, bias_ptr, cols, HAS_BIAS: tl.constexpr, SPLIT_BF16: tl.c
 
 @triton.jit
 def moe_gate_up_kernel(
-    hidden_ptr, stride_hidden, h_rot_ptr,
+    hidden_ptr, stride_hidden, token_scale_ptr, h32_ptr,
     block_expert_ptr, block_start_ptr, offsets_ptr, sorted_slots_ptr, num_rows, top_k,
     trellis_addr_ptr, suh_addr_ptr, svh_addr_ptr, k2_ptr, codebook_ptr,
     stage_addr_ptr, stage_k2_ptr, stage_codebook_ptr, stage_scale_ptr, bias_ptr,
@@ -186,6 +192,7 @@ def moe_gate_up_kernel(
         else:
             token = slot
         x_rows = hidden_ptr + token.to(tl.int64)[:, None] * stride_hidden
+        token_scale = tl.load(token_scale_ptr + token, mask=row_mask, other=1.0)
         stage_stride = 3 * num_experts
         tiles_n = inter_size // 16
         up_index = num_experts + expert
@@ -202,6 +209,7 @@ def moe_gate_up_kernel(
             k0 = chunk * 128
             kcols = k0 + tl.arange(0, 128)
             x = tl.load(x_rows + kcols[None, :], mask=row_mask[:, None], other=0.0).to(tl.float32)
+            x = x * token_scale[:, None]
             up_blocks = _rotate_blocks(x * tl.load(up_suh + kcols).to(tl.float32)[None, :], BM, DK, SPLIT_BF16)
             if GATED:
                 gate_blocks = _rotate_blocks(x * tl.load(gate_suh + kcols).to(tl.float32)[None, :], BM, DK,
@@ -220,8 +228,9 @@ def moe_gate_up_kernel(
         if not GATED:
             acc_gate = acc_up
         if KSPLIT == 1:
-            _finish_rows(acc_gate, acc_up, expert, pos, row_mask, ncols, h_rot_ptr, svh_addr_ptr, suh_addr_ptr,
-                         bias_ptr, num_experts, inter_size, limit, GATED, ACTIVATION, HAS_LIMIT, HAS_BIAS, SPLIT_BF16)
+            _finish_rows(acc_gate, acc_up, expert, pos, row_mask, ncols, 1.0 / token_scale, h32_ptr, svh_addr_ptr,
+                         suh_addr_ptr, bias_ptr, num_experts, inter_size, limit, GATED, ACTIVATION, HAS_LIMIT,
+                         HAS_BIAS, SPLIT_BF16)
         else:
             part = partial_ptr + ((pid_s * 2 * capacity + pos).to(tl.int64) * inter_size)[:, None] + ncols[None, :]
             tl.store(part + capacity * inter_size, acc_up, mask=row_mask[:, None])
@@ -230,29 +239,32 @@ def moe_gate_up_kernel(
 
 
 @triton.jit
-def _finish_rows(acc_gate, acc_up, expert, pos, row_mask, ncols, h_rot_ptr, svh_addr_ptr, suh_addr_ptr, bias_ptr,
-                 num_experts, inter_size, limit, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
+def _finish_rows(acc_gate, acc_up, expert, pos, row_mask, ncols, unscale, h32_ptr, svh_addr_ptr, suh_addr_ptr,
+                 bias_ptr, num_experts, inter_size, limit, GATED: tl.constexpr, ACTIVATION: tl.constexpr,
                  HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT_BF16: tl.constexpr):
-    """gate/up epilogue: output Hadamards, svh, bias, activation, then down's suh and input Hadamard -> h_rot."""
+    """gate/up epilogue: output Hadamards, svh, the tokens' powers of two undone (`unscale` [BM]), bias,
+    activation, then down's suh and input Hadamard -> h32 (fp32)."""
     up_index = num_experts + expert
     up_svh = tl.load(svh_addr_ptr + up_index).to(tl.pointer_type(tl.float16))
-    up = _epilogue(acc_up, up_svh, bias_ptr + up_index.to(tl.int64) * inter_size, ncols, HAS_BIAS, SPLIT_BF16)
+    up = _epilogue(acc_up, up_svh, bias_ptr + up_index.to(tl.int64) * inter_size, ncols, unscale, HAS_BIAS,
+                   SPLIT_BF16)
     if GATED:
         gate_svh = tl.load(svh_addr_ptr + expert).to(tl.pointer_type(tl.float16))
-        gate = _epilogue(acc_gate, gate_svh, bias_ptr + expert.to(tl.int64) * inter_size, ncols,
+        gate = _epilogue(acc_gate, gate_svh, bias_ptr + expert.to(tl.int64) * inter_size, ncols, unscale,
                          HAS_BIAS, SPLIT_BF16)
     else:
         gate = up
     h = _activate(gate, up, ACTIVATION, HAS_LIMIT, limit)
     down_suh = tl.load(suh_addr_ptr + 2 * num_experts + expert).to(tl.pointer_type(tl.float16))
     h = hadamard128_rows(h * tl.load(down_suh + ncols).to(tl.float32)[None, :], SPLIT_BF16)
-    out = h_rot_ptr + pos.to(tl.int64)[:, None] * inter_size + ncols[None, :]
-    tl.store(out, h.to(tl.float16), mask=row_mask[:, None])
+    out = h32_ptr + pos.to(tl.int64)[:, None] * inter_size + ncols[None, :]
+    tl.store(out, h, mask=row_mask[:, None])
 
 
 @triton.jit
 def moe_gate_up_finish_kernel(
-    partial_ptr, capacity, h_rot_ptr, block_expert_ptr, block_start_ptr, offsets_ptr, sorted_slots_ptr,
+    partial_ptr, capacity, token_scale_ptr, top_k, h32_ptr, block_expert_ptr, block_start_ptr, offsets_ptr,
+    sorted_slots_ptr,
     svh_addr_ptr, suh_addr_ptr, bias_ptr, num_experts, inter_size, limit,
     GATED: tl.constexpr, ACTIVATION: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BM: tl.constexpr, KSPLIT: tl.constexpr, SPLIT_BF16: tl.constexpr,
@@ -274,13 +286,15 @@ def moe_gate_up_finish_kernel(
                 acc_gate += tl.load(gate_part, mask=row_mask[:, None], other=0.0)
         if not GATED:
             acc_gate = acc_up
-        _finish_rows(acc_gate, acc_up, expert, pos, row_mask, ncols, h_rot_ptr, svh_addr_ptr, suh_addr_ptr,
-                     bias_ptr, num_experts, inter_size, limit, GATED, ACTIVATION, HAS_LIMIT, HAS_BIAS, SPLIT_BF16)
+        token_scale = tl.load(token_scale_ptr + slot // top_k, mask=row_mask, other=1.0)
+        _finish_rows(acc_gate, acc_up, expert, pos, row_mask, ncols, 1.0 / token_scale, h32_ptr, svh_addr_ptr,
+                     suh_addr_ptr, bias_ptr, num_experts, inter_size, limit, GATED, ACTIVATION, HAS_LIMIT, HAS_BIAS,
+                     SPLIT_BF16)
 
 
 @triton.jit
 def moe_down_kernel(
-    h_rot_ptr, y_ptr,
+    h_rot_ptr, h_scale_ptr, y_ptr,
     block_expert_ptr, block_start_ptr, offsets_ptr, sorted_slots_ptr, num_rows,
     trellis_addr_ptr, svh_addr_ptr, k2_ptr, codebook_ptr,
     stage_addr_ptr, stage_k2_ptr, stage_codebook_ptr, stage_scale_ptr, bias_ptr,
@@ -305,7 +319,8 @@ def moe_down_kernel(
                            NUM_STAGES, DK, WPAD, USE_ASM)
         ncols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         svh = tl.load(svh_addr_ptr + index).to(tl.pointer_type(tl.float16))
-        y = _epilogue(acc, svh, bias_ptr + expert.to(tl.int64) * hidden_size, ncols, HAS_BIAS, SPLIT_BF16)
+        unscale = 1.0 / tl.load(h_scale_ptr + pos, mask=row_mask, other=1.0)
+        y = _epilogue(acc, svh, bias_ptr + expert.to(tl.int64) * hidden_size, ncols, unscale, HAS_BIAS, SPLIT_BF16)
         out = y_ptr + slot.to(tl.int64)[:, None] * hidden_size + ncols[None, :]
         tl.store(out, y, mask=row_mask[:, None])
 
@@ -320,20 +335,22 @@ def launch_flags(t: torch.Tensor) -> tuple:
     return (t.is_cuda and not interpreting()), split_bf16(t)
 
 
-def moe_gate_up(hidden, h_rot, route, num_rows, top_k, tables, grid_blocks, routed, block_m, decode_k,
+def moe_gate_up(hidden, token_scale, h32, route, num_rows, top_k, tables, grid_blocks, routed, block_m, decode_k,
                 num_warps=NUM_WARPS, partial=None, splits=1):
-    """Launch the gate/up kernel(s); `route` = (block_expert, block_start, offsets, sorted_slots) int32 tensors
-    (any int32 tensors when not `routed`: they are not read). With splits > 1 (routed only) the hidden size is
-    split over `splits` programs writing fp32 partials [splits, 2, capacity, I], summed in order by a second kernel."""
+    """Launch the gate/up kernel(s): h32 [>= rows, I] fp32 <- down's rotated input, from hidden's tokens times their
+    powers of two token_scale [tokens] fp32 (undone before the activation); `route` = (block_expert, block_start,
+    offsets, sorted_slots) int32 tensors (any int32 tensors when not `routed`: they are not read). With splits > 1
+    (routed only) the hidden size is split over `splits` programs writing fp32 partials [splits, 2, capacity, I],
+    summed in order by a second kernel."""
     block_expert, block_start, offsets, sorted_slots = route
     use_asm, split = launch_flags(hidden)
     bias = tables.bias_gate_up if tables.bias_gate_up is not None else tables.stage_scale
     limit = float(tables.limit) if tables.limit is not None else 0.0
     capacity = partial.numel() // (2 * splits * tables.intermediate_size) if splits > 1 else 0
-    partial = partial if splits > 1 else h_rot
+    partial = partial if splits > 1 else h32
     grid = (grid_blocks, tables.intermediate_size // BLOCK_N, splits)
     moe_gate_up_kernel[grid](
-        hidden, hidden.stride(0), h_rot,
+        hidden, hidden.stride(0), token_scale, h32,
         block_expert, block_start, offsets, sorted_slots, num_rows, top_k,
         tables.trellis_addr, tables.suh_addr, tables.svh_addr, tables.k2, tables.codebook,
         tables.stage_addr, tables.stage_k2, tables.stage_codebook, tables.stage_scale, bias,
@@ -345,21 +362,23 @@ def moe_gate_up(hidden, h_rot, route, num_rows, top_k, tables, grid_blocks, rout
     )
     if splits > 1:
         moe_gate_up_finish_kernel[grid[:2]](
-            partial, capacity, h_rot, block_expert, block_start, offsets, sorted_slots,
+            partial, capacity, token_scale, top_k, h32, block_expert, block_start, offsets, sorted_slots,
             tables.svh_addr, tables.suh_addr, bias, tables.num_experts, tables.intermediate_size, limit,
             GATED=tables.gated, ACTIVATION=ACTIVATION_ID[tables.activation], HAS_LIMIT=tables.limit is not None,
             HAS_BIAS=tables.bias_gate_up is not None, BM=block_m, KSPLIT=splits, SPLIT_BF16=split, num_warps=8,
         )
 
 
-def moe_down(h_rot, y, route, num_rows, tables, grid_blocks, routed, block_m, decode_k, num_warps=NUM_WARPS):
-    """Launch the down kernel (same `route` convention as moe_gate_up)."""
+def moe_down(h_rot, h_scale, y, route, num_rows, tables, grid_blocks, routed, block_m, decode_k,
+             num_warps=NUM_WARPS):
+    """Launch the down kernel: y <- down(h_rot / h_scale) per row (h_scale: moe_intermediate's powers of two; same
+    `route` convention as moe_gate_up)."""
     block_expert, block_start, offsets, sorted_slots = route
     use_asm, split = launch_flags(h_rot)
     bias = tables.bias_down if tables.bias_down is not None else tables.stage_scale
     grid = (grid_blocks, tables.hidden_size // BLOCK_N)
     moe_down_kernel[grid](
-        h_rot, y, block_expert, block_start, offsets, sorted_slots, num_rows,
+        h_rot, h_scale, y, block_expert, block_start, offsets, sorted_slots, num_rows,
         tables.trellis_addr, tables.svh_addr, tables.k2, tables.codebook,
         tables.stage_addr, tables.stage_k2, tables.stage_codebook, tables.stage_scale, bias,
         tables.num_experts, tables.hidden_size, tables.intermediate_size,

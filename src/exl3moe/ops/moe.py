@@ -5,8 +5,11 @@ Per chunk of tokens (chunk size fixed by the plan, so the launch sequence depend
     route_pack   (1 or 3 launches)  expert histogram, offsets, stable sort of slots, route-block tables
     route_split  (H200, chunks of 128+ rows per expert) a 192-row and a 128-row block table (ops/moe_split.py);
                                     gate/up and down then launch once per table
+    token_scale  (Triton experts)   each token's power of two 2^-e (kernels/row_scale.py; 1 for ordinary tokens)
     rotate       (CUDA experts: 64+ row route blocks, packed plans of 33+ slots) gate and up inputs rotated once
-    gate/up      (1 launch)         h_rot[pos] = rotated down input of act(gate(x), up(x)), fp16
+    gate/up      (1 launch)         h_rot[pos] = rotated down input of act(gate(x), up(x)), fp16 (Triton: fp32
+                                    h32 from x 2^-e, gate and up times 2^e before the activation)
+    intermediate (Triton experts)   h_rot[pos] = fp16 h32[pos] times the row's power of two, kept in h_scale[pos]
     down         (1 launch)         y[slot] = down(h), fp32, unweighted (sm_90: starts early, waits for gate/up)
     shared       (2-3 launches, optional) the shared expert's (rotate,) gate/up and down over the chunk's tokens
                                     (sm_90, no rotate: gate/up starts early after the routed down)
@@ -17,8 +20,9 @@ expert first, then gate/up and down over one block per slot read from topk_ids (
 each token combining it (sm_90: the routed gate/up starts early after the shared down).
 
 Workspace: h_rot [capacity, I] fp16, y [capacity, H] fp32, the route tables, and the shared expert's
-[chunk tokens, I_s] fp16 and [chunk tokens, H] fp32, with capacity = chunk tokens x top_k slots: calls
-with more tokens are processed chunk by chunk, so scratch never grows with T.
+[chunk tokens, I_s] fp16 and [chunk tokens, H] fp32, with capacity = chunk tokens x top_k slots (Triton experts
+also: the token scales [chunk tokens], h32 [capacity, I] and h_scale [capacity] fp32, and the shared expert's
+likewise): calls with more tokens are processed chunk by chunk, so scratch never grows with T.
 
 Bytes are deterministic and batch invariant for a plan: every row is computed independently of the
 others in its route block, and the combine sums a token's slots in order. The route-block size is part
@@ -37,9 +41,11 @@ from ..errors import ContractError
 from ..format.experts import ExpertSet, check_shared
 from ..kernels.moe_combine import moe_combine
 from ..kernels.moe_experts import moe_down, moe_gate_up
+from ..kernels.moe_intermediate import moe_intermediate
 from ..kernels.moe_mma import moe_down_mma, moe_gate_up_mma, moe_rotate_input
 from ..kernels.moe_mma_config import WIDE_BLOCK_M, workspace_numels
 from ..kernels.route_pack import route_pack, route_pack_max_blocks, route_pack_workspace_numel
+from ..kernels.row_scale import row_scales
 from ..kernels.trellis_decode import interpreting
 from .contracts import check_matrix, check_weights_unchanged, check_workspace, weights_key
 from .tables import MoETables, build_tables, check_expert_set
@@ -116,6 +122,9 @@ class MoEPlan:
         self.staged_order = call.staged_order   # an order to rewrite when the stages change
         order = staged_first(self.tables.stage_scale, self.base_order) if self.staged_order else self.base_order
         self.expert_order = torch.tensor(order, dtype=torch.int32).to(self.device) if order else None
+        self.scales_tokens = self.mma is None or (shared is not None and self.shared_mma is None)
+        # The largest |suh| of every gate and up at each hidden column: a token's scale bounds all its rotations.
+        self.token_scale_bound = suh_bound(experts, shared) if self.scales_tokens else None
         self._layout = self._workspace_layout(call, E, experts.hidden_size, experts.intermediate_size)
         self.workspace_bytes = sum(_padded_bytes(n, dt) for _, n, dt in self._layout)
         if call.direct:   # slot b is position b; the last of a token's slot blocks combines its 128 columns
@@ -145,11 +154,18 @@ class MoEPlan:
                 layout = split_layout(layout, self.wide_mma, S, E, H, I)
             if call.direct:
                 layout.append(("mma_token_counters", self.chunk_tokens * (H // 128), torch.int32))
-        elif self.gate_up_splits > 1:
-            layout.append(("gate_up_partial", self.gate_up_splits * 2 * S * I, torch.float32))
+        else:
+            layout += [("h32", S * I, torch.float32), ("h_scale", S, torch.float32)]
+            if self.gate_up_splits > 1:
+                layout.append(("gate_up_partial", self.gate_up_splits * 2 * S * I, torch.float32))
+        if self.scales_tokens:
+            layout.append(("token_scale", self.chunk_tokens, torch.float32))
         if shared is not None:
             layout += [("shared_h_rot", self.chunk_tokens * shared.intermediate_size, torch.float16),
                        ("shared_y", self.chunk_tokens * H, torch.float32)]
+            if self.shared_mma is None:
+                layout += [("shared_h32", self.chunk_tokens * shared.intermediate_size, torch.float32),
+                           ("shared_h_scale", self.chunk_tokens, torch.float32)]
             if self.shared_mma is not None:
                 blocks = triton.cdiv(self.chunk_tokens, self.shared_block_m)
                 layout += _mma_layout("shared_mma_", self.shared_mma, self.chunk_tokens, blocks, H,
@@ -209,6 +225,13 @@ class MoEPlan:
         write_stage_tables(self, new)
         base = self.experts
         self.experts = ExpertSet(base.gate, base.up, base.down, base.activation, base.limit, [], base.name)
+
+
+def suh_bound(experts: ExpertSet, shared: ExpertSet | None) -> torch.Tensor:
+    """fp16 [H]: max |suh| over the gate and up of every expert of both sets, per hidden column."""
+    sets = [experts] + ([shared] if shared is not None else [])
+    suh = [w.suh.abs() for s in sets for proj in (s.gate, s.up) if proj is not None for w in proj]
+    return torch.stack(suh).amax(dim=0).contiguous()
 
 
 def _mma_layout(prefix: str, mma, capacity: int, max_blocks: int, hidden: int, inter: int) -> list:
@@ -285,10 +308,13 @@ class MoERunner:
         tokens = topk_ids.shape[0]
         if tokens > plan.chunk_tokens:
             raise ContractError("topk_ids", f"one chunk holds at most {plan.chunk_tokens} tokens, got {tokens}")
+        scale = {}
+        if plan.scales_tokens:
+            scale["token_scale"] = partial(row_scales, hidden, plan.token_scale_bound, ws["token_scale"][:tokens])
         shared = self._shared_launches(hidden, topk_ids.shape[0])
         shared_y = ws["shared_y"] if shared else None
         if plan.mma is not None and plan.mma.direct:
-            return {**shared, **self._direct_launches(hidden, topk_ids, topk_weights, out, shared_y)}
+            return {**scale, **shared, **self._direct_launches(hidden, topk_ids, topk_weights, out, shared_y)}
         tables = plan.tables
         rows, top_k = topk_ids.shape
         E, slots = tables.num_experts, rows * top_k
@@ -297,6 +323,7 @@ class MoERunner:
         sorted_slots = ws["sorted_slots"][:slots]
         route = (block_expert, block_start, ws["offsets"], sorted_slots)
         launches = {
+            **scale,
             "route_pack": partial(route_pack, topk_ids, E, ws["counts"], ws["offsets"], sorted_slots, block_expert,
                                   block_start, ws["num_blocks"],
                                   ws["route_workspace"][:route_pack_workspace_numel(slots, E)], block_m=plan.block_m,
@@ -309,11 +336,13 @@ class MoERunner:
             launches.update(_mma_launches("", hidden, ws, ws["h_rot"], ws["y"], route, top_k, tables, plan.mma,
                                           max_blocks, plan.slot_capacity))
         else:
-            launches["gate_up"] = partial(moe_gate_up, hidden, ws["h_rot"], route, slots, top_k, tables, max_blocks,
-                                          True, plan.block_m, plan.decode_k, partial=ws.get("gate_up_partial"),
-                                          splits=plan.gate_up_splits)
-            launches["down"] = partial(moe_down, ws["h_rot"], ws["y"], route, slots, tables, max_blocks, True,
-                                       plan.block_m, plan.decode_k)
+            launches["gate_up"] = partial(moe_gate_up, hidden, ws["token_scale"], ws["h32"], route, slots, top_k,
+                                          tables, max_blocks, True, plan.block_m, plan.decode_k,
+                                          partial=ws.get("gate_up_partial"), splits=plan.gate_up_splits)
+            launches["intermediate"] = partial(moe_intermediate, ws["h32"], ws["h_rot"], ws["h_scale"], route, slots,
+                                               max_blocks, True, plan.block_m, tables.intermediate_size)
+            launches["down"] = partial(moe_down, ws["h_rot"], ws["h_scale"], ws["y"], route, slots, tables,
+                                       max_blocks, True, plan.block_m, plan.decode_k)
         launches.update(shared)
         launches["combine"] = partial(moe_combine, topk_ids, topk_weights, ws["y"], shared_y, out, E)
         return launches
@@ -346,11 +375,14 @@ class MoERunner:
         if plan.shared_tables is None:
             return {}
         unused = (ws["counts"],) * 4
-        blocks = triton.cdiv(rows, plan.shared_block_m)
-        return {"shared_gate_up": partial(moe_gate_up, hidden, ws["shared_h_rot"], unused, rows, 1,
-                                          plan.shared_tables, blocks, False, plan.shared_block_m, plan.decode_k),
-                "shared_down": partial(moe_down, ws["shared_h_rot"], ws["shared_y"], unused, rows, plan.shared_tables,
-                                       blocks, False, plan.shared_block_m, plan.decode_k)}
+        blocks, block_m, tables = triton.cdiv(rows, plan.shared_block_m), plan.shared_block_m, plan.shared_tables
+        h32, h_rot, h_scale = ws["shared_h32"], ws["shared_h_rot"], ws["shared_h_scale"]
+        return {"shared_gate_up": partial(moe_gate_up, hidden, ws["token_scale"], h32, unused, rows, 1, tables,
+                                          blocks, False, block_m, plan.decode_k),
+                "shared_intermediate": partial(moe_intermediate, h32, h_rot, h_scale, unused, rows, blocks, False,
+                                               block_m, tables.intermediate_size),
+                "shared_down": partial(moe_down, h_rot, h_scale, ws["shared_y"], unused, rows, tables, blocks, False,
+                                       block_m, plan.decode_k)}
 
 
 def _mma_launches(name: str, hidden, ws: dict, h_rot, y, route, top_k: int, tables, mma, blocks: int,
