@@ -129,7 +129,7 @@ def test_torch_path_matches_reference(monkeypatch):
 
 
 def test_torch_path_row_bytes_do_not_depend_on_batch(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")   # (the interpreter's: test_row_bytes_across_the_128_row_boundary)
     w = random_weight(384, 256, 4, "mcg", bias=True, generator=torch.Generator().manual_seed(8))
     x = inputs(300, 384, 9)
     full = linear(x, w, out_dtype=torch.float32)

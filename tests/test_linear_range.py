@@ -46,7 +46,7 @@ def test_rows_of_any_magnitude_stay_within_the_bound(kernel_path, in_dtype):
     assert checked >= 2 * x.shape[0], "most rows' results are finite in the output dtypes"
 
 
-def test_ordinary_rows_keep_their_bytes_beside_extreme_ones(path):
+def test_ordinary_rows_keep_their_bytes_beside_extreme_ones(kernel_path):
     w = random_weight(256, 128, 3, "mul1", generator=torch.Generator().manual_seed(5))
     x = torch.randn(6, 256, generator=torch.Generator().manual_seed(6)).half()
     alone = linear(x[:3], w, out_dtype=torch.float32)

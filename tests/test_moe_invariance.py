@@ -1,15 +1,11 @@
-"""A token's MoE output bytes under the Triton interpreter, whatever call it is in: calls of any size (each planned
-for itself), skewed routings, mixed widths and codebooks, a shared expert, every output dtype."""
-
-import os
+"""A token's MoE output bytes under the Triton interpreter and on the torch path, whatever call it is in: calls of any
+size (each planned for itself), skewed routings, mixed widths and codebooks, a shared expert, every output dtype."""
 
 import pytest
 import torch
 
 from exl3moe.ops import fused_experts
 from helpers import random_experts
-
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 E, H, I, TOP_K, FULL = 8, 256, 128, 2, 32
 TOKENS = [1, 2, 3, 17]
@@ -29,7 +25,7 @@ def routing(T, skew, seed):
 @pytest.mark.parametrize("skew,shared,dtype,target", [("random", False, torch.float16, None),
                                                       ("one expert", True, torch.float32, None),
                                                       ("half empty", False, torch.bfloat16, 16)])
-def test_token_bytes_do_not_depend_on_the_call(skew, shared, dtype, target, monkeypatch):
+def test_token_bytes_do_not_depend_on_the_call(skew, shared, dtype, target, monkeypatch, kernel_path):
     """target: a smaller gate/up program target, under which splits planned from a call's size would differ."""
     if target is not None:
         monkeypatch.setattr("exl3moe.ops.moe_planning.SPLIT_TARGET_PROGRAMS", target)

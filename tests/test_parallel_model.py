@@ -34,9 +34,6 @@ CONFIGS = {
 # (model type, tp, ep) run by the two-rank workers; the four-rank worker runs qwen2_moe at TP2 x EP2.
 TWO_RANKS = [("qwen2_moe", 2, 1), ("qwen2_moe", 1, 2), ("glm4_moe", 2, 1), ("glm4_moe", 1, 2), ("llama", 2, 1)]
 FOUR_RANKS = [("qwen2_moe", 2, 2)]
-# The CPU torch path of the MoE multiplies each expert's rows with one BLAS call, whose sums may depend on the row
-# count; on qwen2_moe's gated shared expert it does, in one process as in many, so its batch check is left out.
-ROW_DEPENDENT_ON_CPU = ("qwen2_moe",)
 IDS = torch.randint(0, COMMON["vocab_size"], (3, 7), generator=torch.Generator().manual_seed(3))
 
 
@@ -93,7 +90,7 @@ def test_sharded_models_match_one_process(checkpoints, tmp_path, world, cases):
             got = results[case]
             assert rel_l2(got["logits"], single) < (1e-3 if tp > 1 else 1e-5), (case, rank)
             assert got["repeat"] and got["in_place"], (case, rank)
-            assert got["batch"] or model_type in ROW_DEPENDENT_ON_CPU, (case, rank)
+            assert got["batch"], (case, rank)
             assert torch.equal(got["logits"], ranks[0][case]["logits"]), (case, rank)
             expected = ({"RowParallelLinear"} if tp > 1 else set()) | ({"ReducedMoE"} if model_type != "llama" else set())
             assert set(got["kinds"]) == expected, (case, rank)

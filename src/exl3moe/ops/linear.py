@@ -24,6 +24,7 @@ from .linear_cuda import call_kernel, rotate_input, trellis_mma
 from .linear_planning import (fuses_rotation, late_rotation, linear_chains, plan_mma, prefetch_for, prompt_on_ws,
                               uses_ws, variant_for, ws_defers_reduce, ws_paired, ws_x_tma)
 from .contracts import check_packed, check_workspace
+from .rowwise import matmul_by_rows
 from .workspaces import workspace_for
 
 MAX_FUSED_ROWS = 128
@@ -282,13 +283,10 @@ class LinearRunner:
 
 def linear_torch(x2: torch.Tensor, w: EXL3Weight) -> torch.Tensor:
     """The torch path (CPU without the Triton interpreter): fp32 arithmetic throughout, rows scaled by powers of two
-    (row_scales_torch) so that no intermediate overflows; each row on its own (butterfly Hadamards, a batched
-    product of one-row matrices: a BLAS product of many rows sums in an order that depends on their count)."""
+    (row_scales_torch) so that no intermediate overflows; each row on its own (butterfly Hadamards, matmul_by_rows)."""
     scales = row_scales_torch(x2, w.suh)[:, None]
     xh = hadamard_blockwise_by_rows(x2.float() * scales * w.suh.float())
-    inner = w.inner().float()
-    y = torch.bmm(xh[:, None, :], inner.expand(xh.shape[0], *inner.shape))[:, 0]
-    y = hadamard_blockwise_by_rows(y) * w.svh.float() / scales
+    y = hadamard_blockwise_by_rows(matmul_by_rows(xh, w.inner().float())) * w.svh.float() / scales
     return y + w.bias.float() if w.bias is not None else y
 
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 
 from ..format.experts import ExpertSet
-from ..format.hadamard import hadamard_blockwise
+from ..format.hadamard import hadamard_blockwise_by_rows
 from ..kernels.row_scale import fp32_row_scales_torch, row_scales_torch
 from ..reference.moe import activate
+from .rowwise import matmul_by_rows
 from .tables import PROJECTIONS, MoETables
 
 FP32_MAX = torch.finfo(torch.float32).max
@@ -17,8 +18,9 @@ FP32_MAX = torch.finfo(torch.float32).max
 
 def _projection_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, proj: str, e: int,
                       scales: torch.Tensor | None = None) -> torch.Tensor:
-    """One projection of expert e in fp32, as the kernels compute it (rotated input rounded to fp16); scales [rows, 1]:
-    the powers of two x32's rows were multiplied by, else (down) chosen from the rotated rows' maxima."""
+    """One projection of expert e in fp32, as the kernels compute it (rotated input rounded to fp16), each row on
+    its own (butterfly Hadamards, matmul_by_rows: a token's bytes do not depend on the batch); scales [rows, 1]: the
+    powers of two x32's rows were multiplied by, else (down) chosen from the rotated rows' maxima."""
     p = PROJECTIONS.index(proj)
     w = getattr(experts, proj)[e]
     inner = w.inner().float()
@@ -26,11 +28,11 @@ def _projection_torch(x32: torch.Tensor, experts: ExpertSet, tables: MoETables, 
         scale = float(tables.stage_scale[s, p, e])
         if scale != 0.0:
             inner = inner + scale * getattr(stage, proj)[e].inner().float()
-    xr = hadamard_blockwise(x32 * w.suh.float())
+    xr = hadamard_blockwise_by_rows(x32 * w.suh.float())
     if scales is None:
         scales = fp32_row_scales_torch(xr)[:, None]
         xr = xr * scales
-    y = hadamard_blockwise(xr.half().float() @ inner) * w.svh.float() * (1.0 / scales)
+    y = hadamard_blockwise_by_rows(matmul_by_rows(xr.half().float(), inner)) * w.svh.float() * (1.0 / scales)
     if proj == "down" and tables.bias_down is not None:
         y = y + tables.bias_down[e].float()
     elif proj != "down" and tables.bias_gate_up is not None:

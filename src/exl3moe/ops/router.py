@@ -23,6 +23,7 @@ from torch import nn
 from ..errors import ContractError, FormatError
 from ..kernels.router_logits import router_logits_kernel
 from ..kernels.trellis_decode import interpreting
+from .rowwise import matmul_by_rows
 
 ROUTER_KINDS = ("softmax", "sigmoid")
 # Added to the normaliser as DeepSeek-V3's reference does, so an all-zero selection divides safely.
@@ -41,15 +42,13 @@ CONFIG_NAMES = {"top_k": "num_experts_per_tok"}
 
 def router_logits(hidden: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
     """fp32 logits [T, E] = hidden [T, H] @ gate_weight [E, H].T in fp32, each token's sums in an order that does not
-    depend on the other tokens: a Triton kernel on GPUs and under the interpreter, else a batched product of one-row
-    matrices (a BLAS product of many rows sums in an order that depends on their count)."""
+    depend on the other tokens: a Triton kernel on GPUs and under the interpreter, else matmul_by_rows."""
     if hidden.stride(-1) != 1:
         hidden = hidden.contiguous()
     if hidden.is_cuda or interpreting():
         out = torch.empty(hidden.shape[0], gate_weight.shape[0], dtype=torch.float32, device=hidden.device)
         return router_logits_kernel(hidden, gate_weight, out)
-    weight = gate_weight.float().t()
-    return torch.bmm(hidden.float()[:, None, :], weight.expand(hidden.shape[0], *weight.shape))[:, 0]
+    return matmul_by_rows(hidden.float(), gate_weight.float().t())
 
 
 def _check_top_k(top_k, num_experts: int) -> None:
