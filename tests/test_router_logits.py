@@ -1,25 +1,14 @@
 """Router logits: fp32 within rounding of float64, and a token's bytes whatever tokens are beside it, on the Triton
 kernel (interpreter) and the torch path."""
 
-import os
-
 import pytest
 import torch
 
 from exl3moe.ops.router import router_logits
 
 
-@pytest.fixture(params=["interpreter", "torch"])
-def path(request, monkeypatch):
-    if request.param == "torch":
-        monkeypatch.setenv("TRITON_INTERPRET", "0")
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs TRITON_INTERPRET=1")
-    return request.param
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_logits_match_float64_and_do_not_depend_on_the_batch(path, dtype):
+def test_logits_match_float64_and_do_not_depend_on_the_batch(kernel_path, dtype):
     g = torch.Generator().manual_seed(1)
     hidden = torch.randn(70, 200, generator=g).to(dtype)     # a hidden size that is no multiple of the k chunk
     weight = torch.randn(72, 200, generator=g).to(dtype)     # nor the expert count of the expert block
@@ -32,7 +21,7 @@ def test_logits_match_float64_and_do_not_depend_on_the_batch(path, dtype):
     assert torch.equal(router_logits(hidden[5:9], weight), full[5:9])
 
 
-def test_a_transposed_column_gate_gives_the_same_logits(path):
+def test_a_transposed_column_gate_gives_the_same_logits(kernel_path):
     g = torch.Generator().manual_seed(2)
     hidden, gate = torch.randn(9, 256, generator=g).half(), torch.randn(256, 1, generator=g)
     assert torch.equal(router_logits(hidden, gate.t()), router_logits(hidden, gate.t().contiguous()))
