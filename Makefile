@@ -17,7 +17,7 @@ demo: $(VENV)/.installed
 	$(INTERPRET) $(PY) -m exl3moe.cli demo
 
 test: $(VENV)/.installed
-	$(INTERPRET) $(PY) -m pytest -q -m "not gpu" -p no:cacheprovider
+	$(INTERPRET) $(PY) -m pytest -q -m "not gpu" -p no:cacheprovider -n 2 --dist loadfile
 
 test-gpu:
 	PYTHONPATH=src python3 -m pytest -q -m gpu -p no:cacheprovider
