@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from exl3moe.convert.commands import FAST_ENCODING as FAST_ENCODE   # quantize --fast: keeps CPU tests short
 from exl3moe.hf.synthetic import synthetic_model_config
-
-FAST_ENCODE = {"exact": False, "scale_tiles": 4}   # encoder options that keep CPU tests short
 
 TINY = {
     "qwen3_moe": dict(num_experts=2, num_experts_per_tok=1, moe_intermediate_size=128, norm_topk_prob=True),

@@ -92,3 +92,14 @@ def test_logits_stay_within_the_kl_bound(converted):
     kl = float((p.exp() * (p - q)).sum(-1).mean())
     print(f"mean KL at K4: {kl:.3g}")
     assert 0 < kl < KL_BOUND_K4
+
+
+def test_the_command_converts_a_model_end_to_end(tmp_path, capsys):
+    src, out = str(tmp_path / "in"), str(tmp_path / "out")
+    save_tiny_model(src, tiny_config(layers=1, tied=False))
+    assert main(["quantize", src, out, "--bits", "3", "--rows", "32", "--device", "cpu", "--fast"]) == 0
+    table = capsys.readouterr().out
+    assert "layer 0" in table and "head" in table
+    reader = open_checkpoint(out)
+    assert {info.K for info in reader.linears()} == {3, 6}          # every linear at --bits, the head at its default
+    assert main(["quantize", src, out, "--bits", "3", "--device", "cpu"]) == 2, "an existing OUT_DIR needs --force"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+FAST_ENCODING = {"exact": False, "scale_tiles": 4}   # quantize --fast: the encoder options it passes
+
 
 def _number(text: str) -> float:
     try:
@@ -34,6 +36,8 @@ def add_quantize_parser(sub) -> None:
                    help="average K of the routed experts, chosen per expert and projection from calibration")
     p.add_argument("--device", type=_device, default=None, help="cuda, cuda:N or cpu (default: cuda when present)")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty OUT_DIR")
+    p.add_argument("--fast", action="store_true", help="a quicker encoding (no exact tail-biting search, coarser scale "
+                   "search): a little more error; docs/quant.md")
     p.set_defaults(func=quantize_main)
 
 
@@ -44,8 +48,9 @@ def quantize_main(args) -> int:
     from .quantize import quantize_model
 
     console = Console()
+    fast = FAST_ENCODING if args.fast else {}
     report = quantize_model(args.in_dir, args.out_dir, args.bits, args.head_bits, args.codebook, args.calibration,
-                            args.rows, args.expert_bits, args.device, args.force, log=console.print)
+                            args.rows, args.expert_bits, args.device, args.force, log=console.print, **fast)
     table = Table(title=f"exl3moe quantize -> {args.out_dir}")
     for column in ("unit", "K", "proxy error", "seconds", "regularised experts", ""):
         table.add_column(column)
