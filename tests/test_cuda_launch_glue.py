@@ -577,6 +577,29 @@ def test_linear_call_tells_trellis_mma_whether_it_rotated_x(launches, monkeypatc
     assert seen == [not linear_ops.fuses_rotation(r, 2048, 768) for r in (1, 64)] == [False, True]
 
 
+def test_prompt_calls_of_whole_split_weights_run_trellis_ws_that_the_plan_compiled(launches, monkeypatch):
+    """129-512-row calls of a weight whose trellis_ws blocks run every split go to trellis_ws after rotate_input;
+    the plan compiles it even where no 1-128-row call would run it."""
+    from exl3moe.ops import linear as linear_ops
+    from exl3moe.ops import linear_planning
+
+    monkeypatch.setattr(linear_planning, "uses_ws", lambda rows, k, n, device: True)
+    monkeypatch.setattr(linear_ops, "uses_ws", lambda rows, k, n, device: False)
+    monkeypatch.setattr(linear_ops, "use_triton", lambda x: True)
+    monkeypatch.setattr(linear_ops, "warm_split_gemm", lambda *args: None)
+    compiled, seen = [], []
+    monkeypatch.setattr(linear_ops, "ws_kernel", lambda *args: compiled.append(args))
+    monkeypatch.setattr(linear_ops, "rotate_input", lambda x, suh, xh, chain=False: xh)
+    monkeypatch.setattr(linear_ops, "trellis_mma",
+                        lambda x, *args, after_rotate=False, **kw: seen.append((x.shape[0], after_rotate)))
+    w = random_weight(256, 8704, 4, "mcg")   # 68 column blocks: more than half the SMs, so blocks run every split
+    plan = linear_ops.LinearPlan(w, 512)
+    assert len(compiled) == 1
+    runner = plan.bind(plan.allocate())
+    runner.run(torch.randn(300, 256).half(), torch.empty(300, 8704).half())
+    assert seen == [(300, True)]
+
+
 @pytest.mark.parametrize("env", [None, "1"])
 def test_linear_paired_producers_launch(launches, monkeypatch, env):
     """Paired producers: 640 threads, WS_PRODUCERS 12 and a ring of 5 stages, where each block runs every split

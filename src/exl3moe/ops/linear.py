@@ -21,8 +21,8 @@ from ..kernels.trellis_dense import decode_dense, dense_epilogue, dense_kernel
 from ..kernels.trellis_mma import counter_count, reduce_kernel, rotate_kernel
 from ..kernels.trellis_ws import ws_kernel
 from .linear_cuda import call_kernel, rotate_input, trellis_mma
-from .linear_planning import (fuses_rotation, late_rotation, linear_chains, plan_mma, prefetch_for, prompt_on_ws,
-                              uses_ws, variant_for, ws_defers_reduce, ws_paired, ws_x_tma)
+from .linear_planning import (PROMPT_WS_MAX_ROWS, fuses_rotation, late_rotation, linear_chains, plan_mma,
+                              prefetch_for, prompt_on_ws, uses_ws, variant_for, ws_defers_reduce, ws_paired, ws_x_tma)
 from .contracts import check_packed, check_workspace
 from .rowwise import matmul_by_rows
 from .workspaces import workspace_for
@@ -148,7 +148,10 @@ class LinearPlan:
             for mt, fuse_in, prefetch in {variant_for(rows, k, n) + (prefetch_for(rows, k, n, w.K, self.mma),)
                                           for rows in fused_rows}:
                 call_kernel(w, mt, fuse_in, prefetch, self.mma, w.device)
-            if any(uses_ws(rows, k, n, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows):
+            prompt_ws = self.dense_path and prompt_on_ws(min(max_rows, PROMPT_WS_MAX_ROWS), k, n, self.mma.splits,
+                                                         w.device)
+            rotated_ws = any(uses_ws(rows, k, n, w.device) and not fuses_rotation(rows, k, n) for rows in fused_rows)
+            if prompt_ws or rotated_ws:
                 sms = nvrtc.sm_count(w.device)
                 defer = ws_defers_reduce(self.mma.splits, n, sms)
                 ws_kernel(w.K, w.codebook, w.device, ws_x_tma(k, n, w.K, w.codebook),
@@ -252,7 +255,7 @@ class LinearRunner:
             trellis_mma(x2, w, partials, self._counters, out2, mma, after_rotate=rotated)
             return out
         if rows > MAX_FUSED_ROWS and mma is not None:
-            if prompt_on_ws(rows, k, n, x2.device):
+            if prompt_on_ws(rows, k, n, mma.splits, x2.device):
                 trellis_mma(rotate_input(x2, w.suh, xh), w, self._partials, self._counters, out2, mma,
                             after_rotate=True)
                 return out

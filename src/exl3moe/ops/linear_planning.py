@@ -244,10 +244,9 @@ def ws_variant(x: torch.Tensor, w, tiles: MmaTiles, after_rotate: bool = False) 
             after_rotate and ws_launches_early(x.device))
 
 
-def prompt_on_ws(rows: int, k: int, n: int, device: torch.device) -> bool:
+def prompt_on_ws(rows: int, k: int, n: int, splits: int, device: torch.device) -> bool:
     """Whether a call of more than 128 rows runs trellis_ws over 128-row blocks (each block decoding its weight
-    again) instead of decoding W once for the split-ordered GEMM: weights whose blocks each run every split (no
-    partials) up to PROMPT_WS_MAX_ROWS rows, measured faster there; both give the same bytes."""
-    sms = nvrtc.sm_count(device)
-    return (rows <= PROMPT_WS_MAX_ROWS and uses_ws(rows, k, n, device)
-            and ws_whole(plan_mma(k, n).splits, n, sms) and os.environ.get("EXL3MOE_PROMPT_WS") != "0")
+    again) instead of decoding W once for the split-ordered GEMM: weights whose blocks each run all of the plan's
+    `splits` (no partials) up to PROMPT_WS_MAX_ROWS rows, measured faster there; both give the same bytes."""
+    return (rows <= PROMPT_WS_MAX_ROWS and os.environ.get("EXL3MOE_PROMPT_WS") != "0"
+            and uses_ws(rows, k, n, device) and ws_whole(splits, n, nvrtc.sm_count(device)))
