@@ -7,13 +7,15 @@ import torch
 from exl3moe.ops.router import router_logits
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_logits_match_float64_and_do_not_depend_on_the_batch(kernel_path, dtype):
+@pytest.mark.parametrize("dtype, hidden_size", [(torch.float16, 200), (torch.bfloat16, 200), (torch.float32, 200),
+                                                (torch.float16, 1100)])
+def test_logits_match_float64_and_do_not_depend_on_the_batch(kernel_path, dtype, hidden_size):
     g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(70, 200, generator=g).to(dtype)     # a hidden size that is no multiple of the k chunk
-    weight = torch.randn(72, 200, generator=g).to(dtype)     # nor the expert count of the expert block
+    # hidden sizes no multiple of the k chunk (1100: three k splits summed in order), nor experts of the expert block
+    hidden = torch.randn(70, hidden_size, generator=g).to(dtype)
+    weight = torch.randn(71, hidden_size, generator=g).to(dtype)
     full = router_logits(hidden, weight)
-    assert full.dtype == torch.float32 and full.shape == (70, 72)
+    assert full.dtype == torch.float32 and full.shape == (70, 71)
     ref = hidden.double() @ weight.double().t()
     assert ((full.double() - ref).norm() / ref.norm()).item() < 1e-6
     for rows in (1, 2, 17, 33, 69):
