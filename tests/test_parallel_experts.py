@@ -123,3 +123,22 @@ def test_an_expert_shard_plans_its_work_as_its_whole_layer():
     for bad in (1, 2.5, True):
         with pytest.raises(ContractError, match="layer_experts"):
             shard.replace(layer_experts=bad)
+
+
+def test_a_tensor_shard_splits_gate_up_as_its_whole_layer():
+    """A tensor-parallel shard keeps the layer's intermediate width (layer_intermediate), so gate/up sum k in one
+    process's splits and its slice of the intermediate has one process's bytes; down's k is the shard's own."""
+    from exl3moe.ops.moe_planning import moe_mma_layout
+
+    whole = random_experts(8, 512, 768, K=3, codebook="mcg", generator=torch.Generator().manual_seed(4))
+    shard = tensor_shard(whole, 1, 2)
+    assert (shard.intermediate_size, shard.planned_intermediate) == (384, 768)
+    assert tensor_shard(expert_shard(whole, 0, 2), 1, 2).planned_intermediate == 768
+    assert expert_shard(shard, 0, 2).planned_intermediate == 768, "an expert shard of a tensor shard keeps the width"
+    for slots in (1, 8, 64, 512):
+        for block_m in (16, 32, 128):
+            a, b = moe_mma_layout(whole, slots, block_m), moe_mma_layout(shard, slots, block_m)
+            assert (a.gate_up_splits, a.gate_up_ktiles) == (b.gate_up_splits, b.gate_up_ktiles), (slots, block_m)
+    for bad in (383, 400, 2.5, True):
+        with pytest.raises(ContractError, match="layer_intermediate"):
+            whole.replace(layer_intermediate=bad)

@@ -85,6 +85,7 @@ class ExpertSet(Frozen):
     stages: list = ()
     name: str = "experts"
     layer_experts: int | None = None   # an expert-parallel shard's whole layer: plans split work as for that layer
+    layer_intermediate: int | None = None   # a tensor-parallel shard's whole width: gate/up split k as for the layer
 
     def _normalize(self) -> None:
         for proj in ("gate", "up", "down"):
@@ -105,6 +106,12 @@ class ExpertSet(Frozen):
     def planned_experts(self) -> int:
         """The expert count the plans size their work for: the whole layer's (layer_experts) for a shard."""
         return self.layer_experts or self.num_experts
+
+    @property
+    def planned_intermediate(self) -> int:
+        """The intermediate width gate/up's k splits are sized for: the whole layer's (layer_intermediate) for a
+        tensor-parallel shard, so its intermediate has one process's bytes."""
+        return self.layer_intermediate or self.intermediate_size
 
     @property
     def hidden_size(self) -> int:
@@ -155,6 +162,11 @@ class ExpertSet(Frozen):
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < len(self.up)):
             raise ContractError(f"{n}.layer_experts", f"must be None or an int of at least the set's {len(self.up)} "
                                 f"experts, got {count!r}")
+        width = self.layer_intermediate
+        if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < inter
+                                  or width % 128):
+            raise ContractError(f"{n}.layer_intermediate", f"must be None or a multiple of 128 of at least the set's "
+                                f"intermediate size {inter}, got {width!r}")
         limit = self.limit
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
                                   or not 0 < limit < math.inf):
@@ -163,7 +175,7 @@ class ExpertSet(Frozen):
     def to(self, device) -> "ExpertSet":
         mv = lambda ws: None if ws is None else [w.to(device) for w in ws]  # noqa: E731
         return ExpertSet(mv(self.gate), mv(self.up), mv(self.down), self.activation, self.limit, self.stages,
-                         self.name, self.layer_experts)
+                         self.name, self.layer_experts, self.layer_intermediate)
 
 
 def check_shared(shared, experts: ExpertSet) -> None:

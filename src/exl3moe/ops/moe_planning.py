@@ -87,7 +87,7 @@ def plan_moe_call(experts: ExpertSet, max_tokens: int, top_k: int, shared: Exper
     `slot_capacity` slots, over validated experts (MoEPlan validates, check_call_limits included); block_m and
     decode_k: the caller's, else chosen; stage_*: the residual stages to accept (stage_limits). The CUDA experts'
     kernels are compiled here (CUDA C++ where they can run, before any capture; the Triton kernels otherwise)."""
-    E, H, I = experts.planned_experts, experts.hidden_size, experts.intermediate_size   # a shard plans as its layer
+    E, H = experts.planned_experts, experts.hidden_size   # a shard plans as its layer
     device, max_slots = experts.device, max_tokens * top_k
     chunk_tokens = min(max_tokens, slot_capacity // top_k)
     slots = chunk_tokens * top_k
@@ -121,7 +121,7 @@ def plan_moe_call(experts: ExpertSet, max_tokens: int, top_k: int, shared: Exper
         backend="cuda" if mma is not None else "triton" if device.type == "cuda" or interpreting() else "torch",
         chunk_tokens=chunk_tokens, slot_capacity=slots, block_m=routed_block_m, shared_block_m=shared_block_m,
         decode_k=decode_k or (INTERPRET_DECODE_K if interpreting() else GPU_DECODE_K),
-        gate_up_splits=gate_up_splits(E, H, I), stage_max_k2=stage_max_k2, stage_formats=stage_formats,
+        gate_up_splits=gate_up_splits(E, H, experts.planned_intermediate), stage_max_k2=stage_max_k2, stage_formats=stage_formats,
         base_order=tuple(order) if order else None,
         staged_order=mma is not None and not mma.direct and not mma.ws and bool(stage_formats),
         split_min_slots=split_min_slots(E), mma=mma, wide_mma=wide_mma, shared_mma=shared_mma)
@@ -222,7 +222,7 @@ def moe_mma_layout(experts, max_slots: int, block_m: int, stage_formats: tuple =
     warps = warps_for(block_m)
     busy = max(min(E, max_slots), -(-max_slots // block_m))  # route blocks of a full call
     packed = not direct and block_m <= 32
-    gu_splits, gu_ktiles = chunk_splits(H, busy * (I // 128) * 2 * warps,
+    gu_splits, gu_ktiles = chunk_splits(H, busy * (experts.planned_intermediate // 128) * 2 * warps,
                                         PACKED_GATE_UP_TARGET_WARPS if packed else TARGET_WARPS)
     if packed and gu_ktiles < PACKED_MIN_SPLIT_CHUNKS * CHUNK_KTILES:
         per_split = min(PACKED_MIN_SPLIT_CHUNKS, H // CHUNK_K)

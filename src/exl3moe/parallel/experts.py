@@ -48,7 +48,8 @@ def tensor_shard(experts: ExpertSet, rank: int, world: int) -> ExpertSet:
     cols = lambda ws: None if ws is None else [column_shard(w, rank, world) for w in ws]  # noqa: E731
     return experts.replace(gate=cols(experts.gate), up=cols(experts.up),
                            down=[row_shard(w, rank, world) for w in experts.down],
-                           name=f"{experts.name}[tensor {rank}/{world}]")
+                           name=f"{experts.name}[tensor {rank}/{world}]",
+                           layer_intermediate=experts.planned_intermediate)
 
 
 def all_reduce_sum(partial: torch.Tensor, group=None) -> torch.Tensor:
