@@ -7,14 +7,14 @@ import torch
 
 from exl3moe.quant import quantize_tiles, quantize_weight, quantize_weights, tile_ring
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("one_torch_thread")]
 # issue #48, exllamav3 1.6.5 on 1024x768 iid Gaussian weights with H from 8192 iid Gaussian rows
 EXLLAMAV3_GAUSSIAN = {("mcg", 2): 0.0644, ("mcg", 4): 0.00425, ("mul1", 3): 0.0163}
 
 
 @pytest.mark.parametrize("codebook, K", [("mcg", 2), ("3inst", 4), ("mul1", 2.5), ("mul1", 6)])
 def test_tile_search_on_the_gpu_equals_the_cpu(codebook, K):
-    targets = torch.randn(96, 256, generator=torch.Generator().manual_seed(0)) * 1.2
+    targets = torch.randn(24, 256, generator=torch.Generator().manual_seed(0)) * 1.2   # the CPU search is slow
     cpu = quantize_tiles(tile_ring(K, codebook, torch.device("cpu")), targets)
     gpu = quantize_tiles(tile_ring(K, codebook, torch.device("cuda")), targets.cuda())
     assert torch.equal(gpu.states.cpu(), cpu.states)  # elementwise IEEE ops and exact minima: same bits

@@ -90,27 +90,27 @@ def decode_rate(model, batch: int, context: int, steps: int, vocab: int, repeats
     return result
 
 
-def _kernel_ms(fn) -> tuple:
-    """(exl3moe kernels, other kernels) device milliseconds of one call of fn, from the profiler."""
+def _kernel_ms(fn) -> dict:
+    """{kernel name: (device milliseconds, launches)} of one call of fn, from the profiler."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    ours = other = 0.0
+    kernels: dict = {}
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
             us = getattr(event, "device_time", None)
-            us = event.cuda_time if us is None else us
-            if is_exl3moe_kernel(event.name):
-                ours += us
-            else:
-                other += us
-    return ours / 1e3, other / 1e3
+            ms, calls = kernels.get(event.name, (0.0, 0))
+            kernels[event.name] = (ms + (event.cuda_time if us is None else us) / 1e3, calls + 1)
+    return kernels
+
+
+TOP_KERNELS = 12
 
 
 @torch.no_grad()
 def decode_kernel_share(model, batch: int, context: int, steps: int, vocab: int, step_ms: float) -> dict:
     """Kernel time of one decode step: generate() of N + steps tokens minus N tokens, eager steps (a graph's
-    kernels are the captured ones), under the profiler."""
+    kernels are the captured ones), under the profiler; the kernels that take most of it, by name."""
     prompt = _tokens(vocab, batch, context, seed=batch)
     graphs = getattr(model, "decode_graphs", None)
     if graphs is not None:
@@ -121,9 +121,15 @@ def decode_kernel_share(model, batch: int, context: int, steps: int, vocab: int,
     finally:
         if graphs is not None:
             graphs.enabled = True
-    ours, other = ((b - a) / steps for a, b in zip(short, long))
+    per_step = {name: ((ms - short.get(name, (0.0, 0))[0]) / steps, (calls - short.get(name, (0.0, 0))[1]) / steps)
+                for name, (ms, calls) in long.items()}
+    ours = sum(ms for name, (ms, _) in per_step.items() if is_exl3moe_kernel(name))
+    other = sum(ms for name, (ms, _) in per_step.items() if not is_exl3moe_kernel(name))
+    top = sorted(per_step.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
     return {"exl3moe_kernels_ms": ours, "other_kernels_ms": other, "step_ms": step_ms,
-            "exl3moe_share_of_step": ours / step_ms, "step_over_kernel_sum": step_ms / max(ours + other, 1e-9)}
+            "exl3moe_share_of_step": ours / step_ms, "step_over_kernel_sum": step_ms / max(ours + other, 1e-9),
+            "top_kernels": [{"name": name[:80], "ms": ms, "launches": calls, "exl3moe": is_exl3moe_kernel(name)}
+                            for name, (ms, calls) in top]}
 
 
 def measure(model, vocab: int, prefill=(512, 2048), batches=(1, 8, 32), context: int = 128,
