@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .phases import phase
 from .trellis import INF, Ring, backward, forward, one_hot_start, path_cost, trace_forward, traceback
 
 # Bounds and costs are float sums in different orders; a seam is skipped only when its bound exceeds U by this margin.
@@ -67,15 +68,17 @@ def bound_paths(ring: Ring, targets: torch.Tensor):
 def search_ring(ring: Ring, targets: torch.Tensor, exact: bool = True, chunk: int = 64) -> RingResult:
     """The ring optimum of every row of `targets` [B, T] (exact=False: the seam of least bound, forced if needed)."""
     targets = targets.to(ring.dtype)
-    bounds, seam, states, closed = bound_paths(ring, targets)
-    result = RingResult(states, path_cost(ring, targets, states))
-    cost = result.cost
-    open_tiles = (~closed).nonzero().flatten()
-    if open_tiles.numel():
-        cost[open_tiles], states[open_tiles] = forced_seam(ring, targets[open_tiles], seam[open_tiles], True)
-        result.forced = open_tiles.numel()
+    with phase("search_bound"):
+        bounds, seam, states, closed = bound_paths(ring, targets)
+        result = RingResult(states, path_cost(ring, targets, states))
+        cost = result.cost
+        open_tiles = (~closed).nonzero().flatten()
+        if open_tiles.numel():
+            cost[open_tiles], states[open_tiles] = forced_seam(ring, targets[open_tiles], seam[open_tiles], True)
+            result.forced = open_tiles.numel()
     if exact:
-        _search_other_seams(ring, targets, bounds, seam, result, chunk)
+        with phase("search_seams"):
+            _search_other_seams(ring, targets, bounds, seam, result, chunk)
     result.cost = path_cost(ring, targets, result.states)
     return result
 

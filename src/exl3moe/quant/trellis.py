@@ -13,6 +13,7 @@ from functools import cached_property
 import torch
 
 from ..format.bitstream import state_ends
+from .phases import count as count_phase
 
 INF = float("inf")
 # "auto": Triton passes on CUDA, torch elsewhere; "torch" or "triton" force one (EXL3MOE_QUANT_BACKEND).
@@ -161,6 +162,12 @@ def _traceback_torch(ring: Ring, targets: torch.Tensor, inputs: list, start: int
     return states, node
 
 
+def _count_pass(targets: torch.Tensor, count: int) -> None:
+    """pass_steps: steps one after another (the latency); tile_steps: steps x tiles (the work)."""
+    count_phase("pass_steps", count)
+    count_phase("tile_steps", count * targets.shape[0])
+
+
 def uses_triton(ring: Ring, targets: torch.Tensor) -> bool:
     """Triton passes for float32 rings: on CUDA unless BACKEND is "torch"; anywhere when it is "triton"."""
     if ring.dtype != torch.float32 or BACKEND == "torch":
@@ -174,6 +181,7 @@ def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: tor
 
     Returns (costs of the nodes after the last position, kept inputs for traceback or None).
     """
+    _count_pass(targets, count)
     if uses_triton(ring, targets):
         from . import trellis_triton
         return trellis_triton.forward(ring, targets, start, count, init, keep)
@@ -184,6 +192,7 @@ def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: t
     """Best costs of positions start .. start+count-1 from each node before `start` given `final`, the cost of
     each node after the last position; returns (costs [B, 2^(L-D(start))], kept inputs for trace_forward or None).
     """
+    _count_pass(targets, count)
     if uses_triton(ring, targets):
         from . import trellis_triton
         return trellis_triton.backward(ring, targets, start, count, final, keep)
