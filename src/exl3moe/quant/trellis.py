@@ -18,6 +18,9 @@ from .phases import count as count_phase
 INF = float("inf")
 # "auto": Triton passes on CUDA, torch elsewhere; "torch" or "triton" force one (EXL3MOE_QUANT_BACKEND).
 BACKEND = os.environ.get("EXL3MOE_QUANT_BACKEND", "auto")
+# Triton pass kernels: "global" (node costs through a history in global memory, trellis_triton) or "onchip" (node
+# costs carried on chip, trellis_onchip; rings of one step width, else "global") (EXL3MOE_QUANT_SEARCH).
+SEARCH = os.environ.get("EXL3MOE_QUANT_SEARCH", "global")
 
 
 class Ring:
@@ -175,6 +178,18 @@ def uses_triton(ring: Ring, targets: torch.Tensor) -> bool:
     return BACKEND == "triton" or targets.is_cuda
 
 
+def _triton_module(ring: Ring):
+    """The pass kernels SEARCH selects (trellis_onchip only for rings it supports)."""
+    from . import trellis_triton
+    if SEARCH == "onchip":
+        from . import trellis_onchip
+        if trellis_onchip.supports(ring):
+            return trellis_onchip
+    elif SEARCH != "global":
+        raise ValueError(f"EXL3MOE_QUANT_SEARCH must be 'global' or 'onchip', got {SEARCH!r}")
+    return trellis_triton
+
+
 def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
             keep: bool = False):
     """Viterbi over positions start .. start+count-1 (mod T) from node costs `init` [B, 2^(L-D(start))].
@@ -183,8 +198,7 @@ def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: tor
     """
     _count_pass(targets, count)
     if uses_triton(ring, targets):
-        from . import trellis_triton
-        return trellis_triton.forward(ring, targets, start, count, init, keep)
+        return _triton_module(ring).forward(ring, targets, start, count, init, keep)
     return _forward_torch(ring, targets, start, count, init, keep)
 
 
@@ -194,8 +208,7 @@ def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: t
     """
     _count_pass(targets, count)
     if uses_triton(ring, targets):
-        from . import trellis_triton
-        return trellis_triton.backward(ring, targets, start, count, final, keep)
+        return _triton_module(ring).backward(ring, targets, start, count, final, keep)
     return _backward_torch(ring, targets, start, count, final, keep)
 
 

@@ -1,0 +1,121 @@
+"""Trellis passes with the node costs kept on chip across steps (rings of one step width D, L >= 2D).
+
+A program owns TILES tiles and carries their 2^(L-D) node costs from step to step as a register tensor (Triton moves
+it through shared memory when it reshapes it); nothing per step goes to global memory except, when a traceback
+follows, the step's input costs (the History of trellis_triton, so its tracebacks read them unchanged). The fp16
+codebook is read once per pass and shared by the TILES tiles.
+
+States split as s = (h << (L-D)) | (b << D) | y with h, y in [0, 2^D) and b in [0, 2^(L-2D)), so that a forward
+step is cost[h, b, y] = (v[s] - w)^2 + m[h, b] and m'[b, y] = min_h (the next m is its row-major reshape), and a
+backward step, laid out [y, a, b] so that the minimum stays in each thread, is cost[y, a, b] = (v[s] - w)^2 + g[y, b]
+and g'[a, b] = min_y (the next g is its reshape to [b, y], transposed). The float operations are those of the torch
+passes (subtract, multiply, add, minimum; no fused multiply-add), so all three give the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .trellis import Ring
+from .trellis_triton import History
+
+# Tiles per program: 1 for latency (one strip of few tiles), more to share each step's codebook read.
+TILES = int(os.environ.get("EXL3MOE_QUANT_ONCHIP_TILES", "1"))
+WARPS = 32
+
+
+def supports(ring: Ring) -> bool:
+    """One step width D everywhere and L >= 2D (every integer K of the format ring)."""
+    D = ring.steps[0]
+    return all(d == D for d in ring.steps) and ring.L >= 2 * D
+
+
+def _values_f16(ring: Ring, device: torch.device) -> torch.Tensor:
+    """The codebook in fp16 when every value is exactly an fp16 (the format's tables), else None."""
+    key = ("values_f16", str(device))
+    if key not in ring._tables:
+        half = ring.values.to(device).to(torch.float16)
+        ring._tables[key] = half if torch.equal(half.to(ring.values.dtype), ring.values.to(device)) else None
+    return ring._tables[key]
+
+
+@triton.jit
+def _layout(L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr):
+    """(high [H], middle [B] bit ranges, tile offsets [TILES])."""
+    return tl.arange(0, 1 << D), tl.arange(0, 1 << (L - 2 * D)), tl.arange(0, TILES)
+
+
+@triton.jit
+def _onchip_forward_kernel(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot,
+                           L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
+    H: tl.constexpr = 1 << D
+    B: tl.constexpr = 1 << (L - 2 * D)
+    h, b, t = _layout(L, D, TILES)
+    tile = tl.program_id(0).to(tl.int64) * TILES + t
+    live = tile < B_tiles
+    nodes = (hist + tile * stride_tile)[:, None, None] + (h[:, None] * B + b[None, :])[None, :, :]  # m[h, b]
+    mask = live[:, None, None]
+    m = tl.load(nodes, mask=mask, other=0.0)
+    state = (h[:, None, None] << (L - D)) | (b[None, :, None] << D) | h[None, None, :]  # [h, b, y]
+    v = tl.load(values + state).to(tl.float32)[None, :, :, :]
+    for i in range(count):
+        w = tl.load(targets + tile * T + (start + i) % T, mask=live, other=0.0)
+        if KEEP:
+            tl.store(nodes + (i % slots) * stride_slot, m, mask=mask)
+        d = v - w[:, None, None, None]
+        cost = d * d + m[:, :, :, None]
+        m = tl.reshape(tl.min(cost, axis=1), (TILES, H, B))
+    tl.store(nodes + (count % slots) * stride_slot, m, mask=mask)
+
+
+@triton.jit
+def _onchip_backward_kernel(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot,
+                            L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
+    H: tl.constexpr = 1 << D
+    B: tl.constexpr = 1 << (L - 2 * D)
+    y, b, t = _layout(L, D, TILES)
+    tile = tl.program_id(0).to(tl.int64) * TILES + t
+    live = tile < B_tiles
+    nodes = (hist + tile * stride_tile)[:, None, None] + (b[None, :] * H + y[:, None])[None, :, :]  # g[y, b]
+    mask = live[:, None, None]
+    g = tl.load(nodes + (count % slots) * stride_slot, mask=mask, other=0.0)
+    state = (y[None, :, None] << (L - D)) | (b[None, None, :] << D) | y[:, None, None]  # [y, a, b]
+    v = tl.load(values + state).to(tl.float32)[None, :, :, :]
+    for j in range(count):
+        i = count - 1 - j
+        w = tl.load(targets + tile * T + (start + i) % T, mask=live, other=0.0)
+        if KEEP:
+            tl.store(nodes + ((i + 1) % slots) * stride_slot, g, mask=mask)
+        d = v - w[:, None, None, None]
+        cost = d * d + g[:, :, None, :]
+        g = tl.permute(tl.reshape(tl.min(cost, axis=1), (TILES, B, H)), (0, 2, 1))
+    tl.store(nodes, g, mask=mask)
+
+
+def _launch(kernel, ring: Ring, targets: torch.Tensor, history: History, start: int, count: int, keep: bool):
+    values = _values_f16(ring, targets.device)
+    values = ring.values if values is None else values
+    B = targets.shape[0]
+    kernel[(triton.cdiv(B, TILES),)](targets, values, history.data, B, ring.T, start, count, history.slots,
+                                     history.data.stride(0), history.data.stride(1), L=ring.L, D=ring.steps[0],
+                                     TILES=TILES, KEEP=keep, num_warps=WARPS, enable_fp_fusion=False)
+
+
+def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor, keep: bool = False):
+    """As trellis.forward; returns (final node costs, History or None)."""
+    history = History(ring, targets.shape[0], count, keep, targets.device)
+    history.slot(0, init.shape[1]).copy_(init)
+    _launch(_onchip_forward_kernel, ring, targets.contiguous(), history, start, count, keep)
+    return history.slot(count, init.shape[1]).clone(), (history if keep else None)
+
+
+def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):
+    """As trellis.backward; returns (costs before `start`, History or None)."""
+    history = History(ring, targets.shape[0], count, keep, targets.device)
+    history.slot(count, final.shape[1]).copy_(final)
+    _launch(_onchip_backward_kernel, ring, targets.contiguous(), history, start, count, keep)
+    return history.slot(0, final.shape[1]).clone(), (history if keep else None)
