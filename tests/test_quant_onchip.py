@@ -107,6 +107,19 @@ def test_rings_of_mixed_widths_fall_back_to_the_global_kernels(monkeypatch):
     _assert_all_equal(_searches(monkeypatch, _passes(mixed, targets, 24)))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a whole encoding: compiled kernels only")
+def test_an_encoding_gives_the_same_trellis_with_both_searches(monkeypatch):
+    from exl3moe.quant import quantize_weight
+    g = torch.Generator().manual_seed(11)
+    W, X = torch.randn(256, 256, generator=g), torch.randn(1024, 256, generator=g)
+    out = []
+    for search in ("global", "onchip"):
+        monkeypatch.setattr(trellis, "SEARCH", search)
+        out.append(quantize_weight(W.cuda(), (X.T @ X / 1024).cuda(), K=3, scale_tiles=16))
+    assert torch.equal(out[0][0].trellis, out[1][0].trellis)
+    assert out[0][1].proxy_error == out[1][1].proxy_error
+
+
 def test_an_unknown_search_is_refused(monkeypatch):
     ring, targets = _small_ring(2, 8)
     monkeypatch.setattr(trellis, "BACKEND", "triton")
