@@ -68,6 +68,24 @@ def test_passes_and_tracebacks_match_torch(monkeypatch, D, T, tiles):
     _assert_all_equal(_searches(monkeypatch, _passes(ring, targets, T)))
 
 
+@pytest.mark.parametrize("tiles", [1, 2])
+def test_a_forward_and_a_backward_side_by_side_match_torch(monkeypatch, tiles):
+    """One launch of both passes (the seam bound's pairs) gives what the two passes give alone."""
+    monkeypatch.setattr(trellis_onchip, "TILES", tiles)
+    ring, targets = _small_ring(2, 20)
+    g = torch.Generator().manual_seed(9)
+    costs = [torch.randn(3, ring.node_count, generator=g).to(DEVICE) for _ in range(2)]
+
+    def run():
+        (m, kept_f), (b, kept_b) = trellis.forward_and_backward(ring, targets, (10, 10, costs[0], True),
+                                                                (0, 12, costs[1], True))
+        (m2, _), (b2, _) = trellis.forward_and_backward(ring, targets, (0, 7, costs[1], False),
+                                                        (7, 13, costs[0], False))
+        return (m, b, m2, b2, trellis.traceback(ring, targets, kept_f, 10, 10, m.argmin(-1))[0],
+                trellis.trace_forward(ring, targets, kept_b, 0, 12, b.argmin(-1))[0])
+    _assert_all_equal(_searches(monkeypatch, run))
+
+
 def test_ring_search_matches_torch(monkeypatch):
     ring, targets = _small_ring(2, 32)
     outs = _searches(monkeypatch, lambda: (lambda r: (r.states, r.cost))(search_ring(ring, targets)))
@@ -134,20 +152,27 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from exl3moe.quant import trellis_onchip
-names = ("targets", "values", "hist", "B_tiles", "T", "start", "count", "slots", "stride_tile", "stride_slot")
-types = ("*fp32", "*fp16", "*fp32", "i32", "i32", "i32", "i32", "i32", "i64", "i64")
-signature = dict(zip(names, types), L="constexpr", D="constexpr", TILES="constexpr", KEEP="constexpr")
-D, keep = int(sys.argv[2]), sys.argv[3] == "1"
-source = ASTSource(getattr(trellis_onchip, sys.argv[1]), signature, {"L": 16, "D": D, "TILES": 1, "KEEP": keep})
+walk = (("start", "i32"), ("count", "i32"), ("slots", "i32"), ("stride_tile", "i64"), ("stride_slot", "i64"))
+name, D, keep = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+if name == "_onchip_pair_kernel":
+    head = (("targets", "*fp32"), ("values", "*fp16"), ("hist_f", "*fp32"), ("hist_b", "*fp32"), ("B_tiles", "i32"),
+            ("T", "i32"))
+    signature = dict(head + tuple((n + s, t) for s in ("_f", "_b") for n, t in walk))
+    constants = {"L": 16, "D": D, "TILES": 1, "KEEP_F": keep, "KEEP_B": keep}
+else:
+    head = (("targets", "*fp32"), ("values", "*fp16"), ("hist", "*fp32"), ("B_tiles", "i32"), ("T", "i32"))
+    signature = dict(head + walk)
+    constants = {"L": 16, "D": D, "TILES": 1, "KEEP": keep}
+signature.update({c: "constexpr" for c in constants})
+source = ASTSource(getattr(trellis_onchip, name), signature, constants)
 kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                         options={"num_warps": trellis_onchip.WARPS, "enable_fp_fusion": False})
-ptx = kernel.asm["ptx"]
-print(json.dumps({"fma": ptx.count("fma.rn.f32"), "cubin": len(kernel.asm["cubin"]) > 0}))
+print(json.dumps({"fma": kernel.asm["ptx"].count("fma.rn.f32"), "cubin": len(kernel.asm["cubin"]) > 0}))
 """
 
 
 @pytest.mark.parametrize("name, D, keep", [("_onchip_forward_kernel", 4, "1"), ("_onchip_backward_kernel", 2, "0"),
-                                           ("_onchip_backward_kernel", 8, "1")])
+                                           ("_onchip_backward_kernel", 8, "1"), ("_onchip_pair_kernel", 1, "1")])
 def test_passes_compile_for_sm90_without_fused_multiply_add(name, D, keep, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 
 from .phases import phase
-from .trellis import INF, Ring, backward, forward, one_hot_start, path_cost, trace_forward, traceback
+from .trellis import (INF, Ring, forward, forward_and_backward, one_hot_start, path_cost, trace_forward,
+                      traceback)
 
 # Bounds and costs are float sums in different orders; a seam is skipped only when its bound exceeds U by this margin.
 BOUND_SLACK = 2.0 ** -14
@@ -53,11 +54,10 @@ def bound_paths(ring: Ring, targets: torch.Tensor):
     """
     B, T, h = targets.shape[0], ring.T, ring.T // 2
     free = torch.zeros(B, ring.node_count, dtype=ring.dtype, device=targets.device)
-    head_in, _ = forward(ring, targets, 0, h, free)
-    tail_out, _ = backward(ring, targets, h, T - h, free)
+    (head_in, _), (tail_out, _) = forward_and_backward(ring, targets, (0, h, free, False), (h, T - h, free, False))
     phi = (tail_out - head_in) / 2
-    head, head_inputs = backward(ring, targets, 0, h, phi, keep=True)
-    tail, tail_inputs = forward(ring, targets, h, T - h, -phi, keep=True)
+    (tail, tail_inputs), (head, head_inputs) = forward_and_backward(ring, targets, (h, T - h, -phi, True),
+                                                                    (0, h, phi, True))
     bounds = head + tail
     seam = bounds.argmin(-1)
     head_states, head_end = trace_forward(ring, targets, head_inputs, 0, h, seam)

@@ -212,6 +212,17 @@ def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: t
     return _backward_torch(ring, targets, start, count, final, keep)
 
 
+def forward_and_backward(ring: Ring, targets: torch.Tensor, forward_part: tuple, backward_part: tuple):
+    """(forward(ring, targets, *forward_part), backward(ring, targets, *backward_part)) for two independent passes,
+    each part (start, count, costs, keep); with the on-chip search both run in one launch, side by side."""
+    module = _triton_module(ring) if uses_triton(ring, targets) else None
+    if module is None or not hasattr(module, "forward_and_backward"):
+        return forward(ring, targets, *forward_part), backward(ring, targets, *backward_part)
+    count_phase("pass_steps", max(forward_part[1], backward_part[1]))
+    count_phase("tile_steps", (forward_part[1] + backward_part[1]) * targets.shape[0])
+    return module.forward_and_backward(ring, targets, forward_part, backward_part)
+
+
 def traceback(ring: Ring, targets: torch.Tensor, inputs, start: int, count: int, last_node: torch.Tensor,
               stop: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk a forward pass back from `last_node` over steps count-1 .. stop: (states in step order, node before

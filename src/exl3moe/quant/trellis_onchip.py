@@ -50,12 +50,12 @@ def _layout(L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr):
 
 
 @triton.jit
-def _onchip_forward_kernel(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot,
-                           L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
+def _forward_walk(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot, block,
+                  L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
     H: tl.constexpr = 1 << D
     B: tl.constexpr = 1 << (L - 2 * D)
     h, b, t = _layout(L, D, TILES)
-    tile = tl.program_id(0).to(tl.int64) * TILES + t
+    tile = block.to(tl.int64) * TILES + t
     live = tile < B_tiles
     nodes = (hist + tile * stride_tile)[:, None, None] + (h[:, None] * B + b[None, :])[None, :, :]  # m[h, b]
     mask = live[:, None, None]
@@ -73,12 +73,12 @@ def _onchip_forward_kernel(targets, values, hist, B_tiles, T, start, count, slot
 
 
 @triton.jit
-def _onchip_backward_kernel(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot,
-                            L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
+def _backward_walk(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot, block,
+                   L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
     H: tl.constexpr = 1 << D
     B: tl.constexpr = 1 << (L - 2 * D)
     y, b, t = _layout(L, D, TILES)
-    tile = tl.program_id(0).to(tl.int64) * TILES + t
+    tile = block.to(tl.int64) * TILES + t
     live = tile < B_tiles
     nodes = (hist + tile * stride_tile)[:, None, None] + (b[None, :] * H + y[:, None])[None, :, :]  # g[y, b]
     mask = live[:, None, None]
@@ -96,9 +96,40 @@ def _onchip_backward_kernel(targets, values, hist, B_tiles, T, start, count, slo
     tl.store(nodes, g, mask=mask)
 
 
+@triton.jit
+def _onchip_forward_kernel(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot,
+                           L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
+    _forward_walk(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot,
+                  tl.program_id(0), L, D, TILES, KEEP)
+
+
+@triton.jit
+def _onchip_backward_kernel(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot,
+                            L: tl.constexpr, D: tl.constexpr, TILES: tl.constexpr, KEEP: tl.constexpr):
+    _backward_walk(targets, values, hist, B_tiles, T, start, count, slots, stride_tile, stride_slot,
+                   tl.program_id(0), L, D, TILES, KEEP)
+
+
+@triton.jit
+def _onchip_pair_kernel(targets, values, hist_f, hist_b, B_tiles, T, start_f, count_f, slots_f, stride_tile_f,
+                        stride_slot_f, start_b, count_b, slots_b, stride_tile_b, stride_slot_b, L: tl.constexpr,
+                        D: tl.constexpr, TILES: tl.constexpr, KEEP_F: tl.constexpr, KEEP_B: tl.constexpr):
+    """Programs of axis 1 = 0 walk a forward pass, those of axis 1 = 1 a backward pass, side by side."""
+    if tl.program_id(1) == 0:
+        _forward_walk(targets, values, hist_f, B_tiles, T, start_f, count_f, slots_f, stride_tile_f, stride_slot_f,
+                      tl.program_id(0), L, D, TILES, KEEP_F)
+    else:
+        _backward_walk(targets, values, hist_b, B_tiles, T, start_b, count_b, slots_b, stride_tile_b, stride_slot_b,
+                       tl.program_id(0), L, D, TILES, KEEP_B)
+
+
+def _values(ring: Ring, device: torch.device) -> torch.Tensor:
+    values = _values_f16(ring, device)
+    return ring.values if values is None else values
+
+
 def _launch(kernel, ring: Ring, targets: torch.Tensor, history: History, start: int, count: int, keep: bool):
-    values = _values_f16(ring, targets.device)
-    values = ring.values if values is None else values
+    values = _values(ring, targets.device)
     B = targets.shape[0]
     kernel[(triton.cdiv(B, TILES),)](targets, values, history.data, B, ring.T, start, count, history.slots,
                                      history.data.stride(0), history.data.stride(1), L=ring.L, D=ring.steps[0],
@@ -119,3 +150,21 @@ def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: t
     history.slot(count, final.shape[1]).copy_(final)
     _launch(_onchip_backward_kernel, ring, targets.contiguous(), history, start, count, keep)
     return history.slot(0, final.shape[1]).clone(), (history if keep else None)
+
+
+def forward_and_backward(ring: Ring, targets: torch.Tensor, forward_part: tuple, backward_part: tuple):
+    """As trellis.forward_and_backward: both passes in one launch, each tile's two walks on two programs."""
+    targets = targets.contiguous()
+    B = targets.shape[0]
+    (start_f, count_f, init, keep_f), (start_b, count_b, final, keep_b) = forward_part, backward_part
+    hist_f = History(ring, B, count_f, keep_f, targets.device)
+    hist_f.slot(0, init.shape[1]).copy_(init)
+    hist_b = History(ring, B, count_b, keep_b, targets.device)
+    hist_b.slot(count_b, final.shape[1]).copy_(final)
+    _onchip_pair_kernel[(triton.cdiv(B, TILES), 2)](
+        targets, _values(ring, targets.device), hist_f.data, hist_b.data, B, ring.T,
+        start_f, count_f, hist_f.slots, hist_f.data.stride(0), hist_f.data.stride(1),
+        start_b, count_b, hist_b.slots, hist_b.data.stride(0), hist_b.data.stride(1),
+        L=ring.L, D=ring.steps[0], TILES=TILES, KEEP_F=keep_f, KEEP_B=keep_b, num_warps=WARPS, enable_fp_fusion=False)
+    return ((hist_f.slot(count_f, init.shape[1]).clone(), hist_f if keep_f else None),
+            (hist_b.slot(0, final.shape[1]).clone(), hist_b if keep_b else None))
