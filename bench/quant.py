@@ -4,8 +4,8 @@ Run from the repository root on a GPU: PYTHONPATH=src:bench python bench/quant.p
   default: the error table (2 cases x codebooks x K2..K5, 20 encodings of 1024x768), then the time of one
   1024x768 K4 encoding per backend and Triton search (--searches), the time against the tile count and K
   (--no-scaling skips it) and a Qwen3-30B-A3B MoE layer (--experts N; 0 skips it). Timing rows carry
-  phase_seconds, the encoder's time per phase measured with the device synchronised at phase boundaries
-  (docs/quant.md, Speed), and a table of them is printed at the end.
+  phase_seconds and part_seconds, the encoder's time per phase and in the passes and tracebacks, measured with the
+  device synchronised at phase boundaries (docs/quant.md, Speed), and a table of them is printed at the end.
   --profile: only torch.profiler on one 1024x768 K4 encoding per search; the top kernels and ops by device and by
   host time go to --profile-out.
 """
@@ -91,8 +91,10 @@ def warm(K) -> None:
         _WARM.add(key)
 
 
-def phases(stats) -> dict:
-    return {name: round(stats.phase_seconds.get(name, 0.0), 4) for name in PHASES}
+def breakdown(stats) -> dict:
+    """phase_seconds (exclusive, summing to the call) and part_seconds (the passes, the tracebacks: inclusive)."""
+    return {"phase_seconds": {name: round(stats.phase_seconds.get(name, 0.0), 4) for name in PHASES},
+            "part_seconds": {name: round(value, 4) for name, value in stats.part_seconds.items()}}
 
 
 def backend_times(W, H, searches):
@@ -108,7 +110,7 @@ def backend_times(W, H, searches):
         rows.append({"case": "backend", "backend": backend, "search": search, "K": 4, "codebook": "mcg",
                      "variant": backend if backend == "torch" else f"triton-{search}", "seconds": round(seconds, 3),
                      "seconds_synced": round(synced_seconds, 3), "proxy_error": stats.proxy_error,
-                     "same_trellis": bool(torch.equal(weight.trellis, first)), "phase_seconds": phases(synced),
+                     "same_trellis": bool(torch.equal(weight.trellis, first)), **breakdown(synced),
                      **synced.counters})
     use("auto")
     return rows
@@ -129,7 +131,7 @@ def scaling_times(searches):
                                                                 sync_phases=True))
             rows.append({"case": "scaling", "k": k, "n": n, "tiles": k * n // 256, "K": K, "codebook": "mcg",
                          "search": search, "variant": f"{k}x{n}-{search}", "seconds": round(seconds, 3),
-                         "proxy_error": stats.proxy_error, "phase_seconds": phases(stats), **stats.counters})
+                         "proxy_error": stats.proxy_error, **breakdown(stats), **stats.counters})
     use("auto")
     return rows
 
@@ -148,7 +150,7 @@ def profile_encoding(W, H, searches, top: int = 25) -> list:
             if W.is_cuda:
                 torch.cuda.synchronize()
         events = prof.key_averages()
-        rows.append({"search": search, "seconds": round(stats.seconds, 3), "phase_seconds": phases(stats),
+        rows.append({"search": search, "seconds": round(stats.seconds, 3), **breakdown(stats),
                      "device_ms_total": round(sum(device_us(e) for e in events) / 1e3, 3),
                      "host_ms_total": round(sum(e.self_cpu_time_total for e in events) / 1e3, 3),
                      "top_device": [entry(e) for e in sorted(events, key=device_us, reverse=True)[:top]],
@@ -176,11 +178,13 @@ def print_phase_table(rows) -> None:
     timed_rows = [r for r in rows if "phase_seconds" in r]
     if not timed_rows:
         return
-    print(f"{'row':24s} {'total':>8s} " + " ".join(f"{name[:12]:>12s}" for name in PHASES))
+    parts = ("passes", "tracebacks")
+    print(f"{'row':28s} {'total':>8s} " + " ".join(f"{name[:12]:>12s}" for name in PHASES + parts))
     for r in timed_rows:
         total = r.get("seconds_synced", r["seconds"])
-        print(f"{r['case'] + ':' + str(r['variant']) + ':K' + str(r['K']):24s} {total:8.3f} "
-              + " ".join(f"{r['phase_seconds'][name]:12.4f}" for name in PHASES))
+        print(f"{r['case'] + ':' + str(r['variant']) + ':K' + str(r['K']):28s} {total:8.3f} "
+              + " ".join(f"{r['phase_seconds'][name]:12.4f}" for name in PHASES) + " "
+              + " ".join(f"{r.get('part_seconds', {}).get(name, 0.0):12.4f}" for name in parts))
 
 
 def layer_times(experts: int, K: float = 4, codebook: str = "mcg", search: str = "global"):
@@ -204,7 +208,7 @@ def layer_times(experts: int, K: float = 4, codebook: str = "mcg", search: str =
         rows.append({"case": "layer", "projection": proj, "experts": experts, "k": k, "n": n, "K": K,
                      "codebook": codebook, "search": search, "variant": f"{proj}x{experts}-{search}",
                      "seconds": round(seconds, 3), "proxy_error_mean": sum(errors) / len(errors),
-                     "proxy_error_max": max(errors), "phase_seconds": phases(results[0][1]),
+                     "proxy_error_max": max(errors), **breakdown(results[0][1]),
                      **results[0][1].counters})
         del Ws, Hs, results
     rows.append({"case": "layer", "projection": "all", "experts": experts, "K": K, "codebook": codebook,

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from exl3moe.quant import quantize_weight
-from exl3moe.quant.phases import PHASES, phase, timing
+from exl3moe.quant.phases import PHASES, part, phase, timing
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -21,6 +21,18 @@ def test_nested_phases_are_exclusive_and_sum_to_the_whole():
     assert timer.seconds["inner"] == pytest.approx(0.05, abs=0.03)
     assert timer.seconds["outer"] == pytest.approx(0.04, abs=0.03)
     assert set(timer.seconds) == {"other", "outer", "inner"}
+
+
+def test_a_part_is_inclusive_and_leaves_the_phases_alone():
+    with timing() as timer:
+        with phase("outer"):
+            with part("passes"):
+                time.sleep(0.03)
+                with phase("inner"):
+                    time.sleep(0.03)
+    assert timer.parts["passes"] == pytest.approx(0.06, abs=0.03)
+    assert timer.seconds["outer"] == pytest.approx(0.03, abs=0.02)
+    assert timer.seconds["inner"] == pytest.approx(0.03, abs=0.02)
 
 
 def test_phase_outside_timing_records_nothing():
@@ -42,3 +54,8 @@ def test_encoder_reports_every_phase_and_they_sum_to_its_time(sync):
     assert total == pytest.approx(stats.seconds, rel=0.02)
     assert stats.phase_seconds["search_bound"] > 0.3 * stats.seconds  # the passes dominate on the CPU
     assert stats.counters["pass_steps"] % 128 == 0 and stats.counters["tile_steps"] > stats.counters["pass_steps"]
+    assert stats.counters["traceback_steps"] > 0
+    passes, tracebacks = stats.part_seconds["passes"], stats.part_seconds["tracebacks"]
+    assert 0 < tracebacks < passes and passes + tracebacks <= 1.01 * stats.seconds
+    searched = sum(stats.phase_seconds[p] for p in ("scale_search", "search_bound", "search_seams", "refine"))
+    assert passes + tracebacks <= 1.01 * searched

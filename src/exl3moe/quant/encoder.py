@@ -41,6 +41,7 @@ class QuantStats:
     inner: torch.Tensor | None = None  # with keep_inner: the searched W_inner (fp16 [in, out]) that decode must give
     kept_init: bool = False            # init was returned: the new encoding was not better
     phase_seconds: dict = field(default_factory=dict)  # exclusive seconds per phase (quant/phases.py), whole call
+    part_seconds: dict = field(default_factory=dict)   # inclusive seconds of the trellis passes and tracebacks
 
 
 @dataclass
@@ -104,6 +105,7 @@ def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: s
     for pair in out:
         pair[1].seconds = seconds
         pair[1].phase_seconds = dict(timer.seconds)
+        pair[1].part_seconds = dict(timer.parts)
         pair[1].counters.update(timer.counts)
     return [tuple(pair) for pair in out]
 

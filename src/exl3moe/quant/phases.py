@@ -28,6 +28,7 @@ def sync_requested() -> bool:
 class PhaseTimer:
     def __init__(self, sync: bool = False):
         self.seconds: dict = {}
+        self.parts: dict = {}  # inclusive seconds of parts that cut across phases (the passes, the tracebacks)
         self.counts: dict = {}
         self.sync = sync
         self.device: torch.device | None = None  # set once known; synchronised only when CUDA
@@ -42,6 +43,16 @@ class PhaseTimer:
             name = self._stack[-1]
             self.seconds[name] = self.seconds.get(name, 0.0) + now - self._mark
         self._mark = now
+
+    @contextmanager
+    def part(self, name: str):
+        self._tick()
+        start = self._mark
+        try:
+            yield
+        finally:
+            self._tick()
+            self.parts[name] = self.parts.get(name, 0.0) + self._mark - start
 
     @contextmanager
     def phase(self, name: str):
@@ -64,6 +75,17 @@ def timing(sync: bool = False):
             yield timer
     finally:
         _current.reset(token)
+
+
+@contextmanager
+def part(name: str):
+    """Time a part inclusively (into the timer's `parts`) without changing which phase is charged."""
+    timer = _current.get()
+    if timer is None:
+        yield
+        return
+    with timer.part(name):
+        yield
 
 
 def count(name: str, amount: int) -> None:

@@ -14,6 +14,7 @@ import torch
 
 from ..format.bitstream import state_ends
 from .phases import count as count_phase
+from .phases import part
 
 INF = float("inf")
 # "auto": Triton passes on CUDA, torch elsewhere; "torch" or "triton" force one (EXL3MOE_QUANT_BACKEND).
@@ -197,9 +198,10 @@ def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: tor
     Returns (costs of the nodes after the last position, kept inputs for traceback or None).
     """
     _count_pass(targets, count)
-    if uses_triton(ring, targets):
-        return _triton_module(ring).forward(ring, targets, start, count, init, keep)
-    return _forward_torch(ring, targets, start, count, init, keep)
+    with part("passes"):
+        if uses_triton(ring, targets):
+            return _triton_module(ring).forward(ring, targets, start, count, init, keep)
+        return _forward_torch(ring, targets, start, count, init, keep)
 
 
 def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):
@@ -207,9 +209,10 @@ def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: t
     each node after the last position; returns (costs [B, 2^(L-D(start))], kept inputs for trace_forward or None).
     """
     _count_pass(targets, count)
-    if uses_triton(ring, targets):
-        return _triton_module(ring).backward(ring, targets, start, count, final, keep)
-    return _backward_torch(ring, targets, start, count, final, keep)
+    with part("passes"):
+        if uses_triton(ring, targets):
+            return _triton_module(ring).backward(ring, targets, start, count, final, keep)
+        return _backward_torch(ring, targets, start, count, final, keep)
 
 
 def forward_and_backward(ring: Ring, targets: torch.Tensor, forward_part: tuple, backward_part: tuple):
@@ -220,25 +223,30 @@ def forward_and_backward(ring: Ring, targets: torch.Tensor, forward_part: tuple,
         return forward(ring, targets, *forward_part), backward(ring, targets, *backward_part)
     count_phase("pass_steps", max(forward_part[1], backward_part[1]))
     count_phase("tile_steps", (forward_part[1] + backward_part[1]) * targets.shape[0])
-    return module.forward_and_backward(ring, targets, forward_part, backward_part)
+    with part("passes"):
+        return module.forward_and_backward(ring, targets, forward_part, backward_part)
 
 
 def traceback(ring: Ring, targets: torch.Tensor, inputs, start: int, count: int, last_node: torch.Tensor,
               stop: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk a forward pass back from `last_node` over steps count-1 .. stop: (states in step order, node before
     step `stop`)."""
-    if not isinstance(inputs, list):
-        from . import trellis_triton
-        return trellis_triton.traceback(ring, targets, inputs, start, count, last_node, stop)
-    return _traceback_torch(ring, targets, inputs, start, count, last_node, stop)
+    count_phase("traceback_steps", count - stop)
+    with part("tracebacks"):
+        if not isinstance(inputs, list):
+            from . import trellis_triton
+            return trellis_triton.traceback(ring, targets, inputs, start, count, last_node, stop)
+        return _traceback_torch(ring, targets, inputs, start, count, last_node, stop)
 
 
 def trace_forward(ring: Ring, targets: torch.Tensor, inputs, start: int, count: int, first_node: torch.Tensor):
     """Follow a backward pass from `first_node` (the node before `start`): (states, node after the last)."""
-    if not isinstance(inputs, list):
-        from . import trellis_triton
-        return trellis_triton.trace_forward(ring, targets, inputs, start, count, first_node)
-    return _trace_forward_torch(ring, targets, inputs, start, count, first_node)
+    count_phase("traceback_steps", count)
+    with part("tracebacks"):
+        if not isinstance(inputs, list):
+            from . import trellis_triton
+            return trellis_triton.trace_forward(ring, targets, inputs, start, count, first_node)
+        return _trace_forward_torch(ring, targets, inputs, start, count, first_node)
 
 
 def one_hot_start(ring: Ring, nodes: torch.Tensor) -> torch.Tensor:
