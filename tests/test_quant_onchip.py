@@ -70,7 +70,7 @@ def test_passes_and_tracebacks_match_torch(monkeypatch, D, T, tiles):
 
 @pytest.mark.parametrize("tiles", [1, 2])
 def test_a_forward_and_a_backward_side_by_side_match_torch(monkeypatch, tiles):
-    """One launch of both passes (the seam bound's pairs) gives what the two passes give alone."""
+    """One launch of both passes (the seam bound's pairs), and of both walks back, gives what each gives alone."""
     monkeypatch.setattr(trellis_onchip, "TILES", tiles)
     ring, targets = _small_ring(2, 20)
     g = torch.Generator().manual_seed(9)
@@ -81,8 +81,11 @@ def test_a_forward_and_a_backward_side_by_side_match_torch(monkeypatch, tiles):
                                                                 (0, 12, costs[1], True))
         (m2, _), (b2, _) = trellis.forward_and_backward(ring, targets, (0, 7, costs[1], False),
                                                         (7, 13, costs[0], False))
+        (fwd_states, fwd_node), (back_states, back_node) = trellis.trace_both(
+            ring, targets, (kept_b, 0, 12, b.argmin(-1)), (kept_f, 10, 10, m.argmin(-1)))
         return (m, b, m2, b2, trellis.traceback(ring, targets, kept_f, 10, 10, m.argmin(-1))[0],
-                trellis.trace_forward(ring, targets, kept_b, 0, 12, b.argmin(-1))[0])
+                trellis.trace_forward(ring, targets, kept_b, 0, 12, b.argmin(-1))[0], fwd_states, fwd_node,
+                back_states, back_node)
     _assert_all_equal(_searches(monkeypatch, run))
 
 
@@ -154,7 +157,14 @@ from triton.compiler import ASTSource
 from exl3moe.quant import trellis_onchip
 walk = (("start", "i32"), ("count", "i32"), ("slots", "i32"), ("stride_tile", "i64"), ("stride_slot", "i64"))
 name, D, keep = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
-if name == "_onchip_pair_kernel":
+if name == "_trace_pair_kernel":
+    walks = {s: (("hist" + s, "*fp32"), (node, "*i64"), ("states" + s, "*i64"), ("start" + s, "i32"),
+                 ("count" + s, "i32"), ("stride_tile" + s, "i64"), ("stride_slot" + s, "i64"))
+             for s, node in (("_f", "first_node"), ("_b", "last_node"))}
+    head = (("targets", "*fp32"), ("values", "*fp32"), ("steps", "*i32"))
+    signature = dict(head + walks["_f"] + walks["_b"] + (("T", "i32"),))
+    constants = {"L": 16, "ARG_BLOCK": trellis_onchip.ARG_BLOCK}
+elif name == "_onchip_pair_kernel":
     head = (("targets", "*fp32"), ("values", "*fp16"), ("hist_f", "*fp32"), ("hist_b", "*fp32"), ("B_tiles", "i32"),
             ("T", "i32"))
     signature = dict(head + tuple((n + s, t) for s in ("_f", "_b") for n, t in walk))
@@ -166,13 +176,15 @@ else:
 signature.update({c: "constexpr" for c in constants})
 source = ASTSource(getattr(trellis_onchip, name), signature, constants)
 kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": trellis_onchip.WARPS, "enable_fp_fusion": False})
+                        options={"num_warps": 4 if name == "_trace_pair_kernel" else trellis_onchip.WARPS,
+                                 "enable_fp_fusion": False})
 print(json.dumps({"fma": kernel.asm["ptx"].count("fma.rn.f32"), "cubin": len(kernel.asm["cubin"]) > 0}))
 """
 
 
 @pytest.mark.parametrize("name, D, keep", [("_onchip_forward_kernel", 4, "1"), ("_onchip_backward_kernel", 2, "0"),
-                                           ("_onchip_backward_kernel", 8, "1"), ("_onchip_pair_kernel", 1, "1")])
+                                           ("_onchip_backward_kernel", 8, "1"), ("_onchip_pair_kernel", 1, "1"),
+                                           ("_trace_pair_kernel", 4, "1")])
 def test_passes_compile_for_sm90_without_fused_multiply_add(name, D, keep, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=os.pathsep.join(sys.path))

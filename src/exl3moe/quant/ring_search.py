@@ -14,8 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from .phases import phase
-from .trellis import (INF, Ring, forward, forward_and_backward, one_hot_start, path_cost, trace_forward,
-                      traceback)
+from .trellis import INF, Ring, forward, forward_and_backward, one_hot_start, path_cost, trace_both, traceback
 
 # Bounds and costs are float sums in different orders; a seam is skipped only when its bound exceeds U by this margin.
 BOUND_SLACK = 2.0 ** -14
@@ -60,8 +59,8 @@ def bound_paths(ring: Ring, targets: torch.Tensor):
                                                                     (0, h, phi, True))
     bounds = head + tail
     seam = bounds.argmin(-1)
-    head_states, head_end = trace_forward(ring, targets, head_inputs, 0, h, seam)
-    tail_states, tail_start = traceback(ring, targets, tail_inputs, h, T - h, seam)
+    (head_states, head_end), (tail_states, tail_start) = trace_both(ring, targets, (head_inputs, 0, h, seam),
+                                                                    (tail_inputs, h, T - h, seam))
     return bounds, seam, torch.cat((head_states, tail_states), 1), head_end == tail_start
 
 

@@ -249,6 +249,18 @@ def trace_forward(ring: Ring, targets: torch.Tensor, inputs, start: int, count: 
         return _trace_forward_torch(ring, targets, inputs, start, count, first_node)
 
 
+def trace_both(ring: Ring, targets: torch.Tensor, forward_part: tuple, back_part: tuple):
+    """(trace_forward(ring, targets, *forward_part), traceback(ring, targets, *back_part)) for two independent walks,
+    parts (inputs, start, count, node); with the on-chip search both run in one launch, side by side."""
+    module = _triton_module(ring) if uses_triton(ring, targets) else None
+    kept = not isinstance(forward_part[0], list) and not isinstance(back_part[0], list)
+    if module is None or not kept or not hasattr(module, "trace_both"):
+        return trace_forward(ring, targets, *forward_part), traceback(ring, targets, *back_part)
+    count_phase("traceback_steps", max(forward_part[2], back_part[2]))
+    with part("tracebacks"):
+        return module.trace_both(ring, targets, forward_part, back_part)
+
+
 def one_hot_start(ring: Ring, nodes: torch.Tensor) -> torch.Tensor:
     """Initial costs that force the node before position 0 to `nodes` [B]."""
     init = torch.full((nodes.shape[0], ring.node_count), INF, dtype=ring.dtype, device=nodes.device)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from .trellis import Ring
-from .trellis_triton import History
+from .trellis_triton import ARG_BLOCK, History, _steps, _trace_forward_kernel, _traceback_kernel
 
 # Tiles per program: 1 for latency (one strip of few tiles), more to share each step's codebook read.
 TILES = int(os.environ.get("EXL3MOE_QUANT_ONCHIP_TILES", "1"))
@@ -123,6 +123,19 @@ def _onchip_pair_kernel(targets, values, hist_f, hist_b, B_tiles, T, start_f, co
                        tl.program_id(0), L, D, TILES, KEEP_B)
 
 
+@triton.jit
+def _trace_pair_kernel(targets, values, steps, hist_f, first_node, states_f, start_f, count_f, stride_tile_f,
+                       stride_slot_f, hist_b, last_node, states_b, start_b, count_b, stride_tile_b, stride_slot_b, T,
+                       L: tl.constexpr, ARG_BLOCK: tl.constexpr):
+    """Programs of axis 1 = 0 follow a backward pass forward, those of axis 1 = 1 walk a forward pass back."""
+    if tl.program_id(1) == 0:
+        _trace_forward_kernel(targets, values, steps, hist_f, first_node, states_f, T, start_f, count_f, stride_tile_f,
+                              stride_slot_f, L, ARG_BLOCK)
+    else:
+        _traceback_kernel(targets, values, steps, hist_b, last_node, states_b, T, start_b, count_b, 0, stride_tile_b,
+                          stride_slot_b, L, ARG_BLOCK)
+
+
 def _values(ring: Ring, device: torch.device) -> torch.Tensor:
     values = _values_f16(ring, device)
     return ring.values if values is None else values
@@ -168,3 +181,19 @@ def forward_and_backward(ring: Ring, targets: torch.Tensor, forward_part: tuple,
         L=ring.L, D=ring.steps[0], TILES=TILES, KEEP_F=keep_f, KEEP_B=keep_b, num_warps=WARPS, enable_fp_fusion=False)
     return ((hist_f.slot(count_f, init.shape[1]).clone(), hist_f if keep_f else None),
             (hist_b.slot(0, final.shape[1]).clone(), hist_b if keep_b else None))
+
+
+def trace_both(ring: Ring, targets: torch.Tensor, forward_part: tuple, back_part: tuple):
+    """As trellis.trace_both: trace_forward and traceback in one launch, each tile's two walks on two programs."""
+    (hist_f, start_f, count_f, first_node), (hist_b, start_b, count_b, last_node) = forward_part, back_part
+    B = first_node.shape[0]
+    states_f = torch.empty(B, count_f, dtype=torch.int64, device=first_node.device)
+    states_b = torch.empty(B, count_b, dtype=torch.int64, device=last_node.device)
+    _trace_pair_kernel[(B, 2)](targets.contiguous(), ring.values, _steps(ring, targets.device),
+                               hist_f.data, first_node.contiguous(), states_f, start_f, count_f,
+                               hist_f.data.stride(0), hist_f.data.stride(1),
+                               hist_b.data, last_node.contiguous(), states_b, start_b, count_b,
+                               hist_b.data.stride(0), hist_b.data.stride(1), ring.T, L=ring.L, ARG_BLOCK=ARG_BLOCK,
+                               enable_fp_fusion=False)
+    end = states_f[:, -1] & ((1 << ring.node_bits(start_f + count_f - 1)) - 1)
+    return (states_f, end), (states_b, states_b[:, 0] >> ring.D(start_b) if count_b else last_node)
