@@ -104,7 +104,7 @@ def warmup_case(case: str, path: str, workers: int) -> dict:
     else:
         specs = checkpoint_specs(open_checkpoint(path))
     start = time.perf_counter()
-    summary = warm(specs, torch.device("cuda"), report_console(), workers)
+    summary = warm(specs, torch.device(DEVICE), report_console(), workers)
     return {**summary, "warmup_s": time.perf_counter() - start}
 
 
@@ -152,6 +152,7 @@ def main() -> None:
     parser.add_argument("--warmup", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--checkpoint", help=argparse.SUPPRESS)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help=argparse.SUPPRESS)
+    parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES), help="cases to run (default all)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -171,11 +172,11 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="exl3moe_cold_")
     checkpoint = os.path.join(root, "mixed_checkpoint")
     write_mixed_checkpoint(checkpoint)
-    results = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "nvrtc": nvrtc.nvrtc_version(),
+    results = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "nvrtc": nvrtc.nvrtc_version(),
                "cpus": os.cpu_count(), "workers": args.workers, "linear": LINEAR, "moe": MOE,
                "checkpoint_formats": MIXED_FORMATS, "cases": {}}
-    for case in CASES:
-        child = ["--case", case, "--checkpoint", checkpoint, "--workers", str(args.workers)]
+    for case in args.cases:
+        child = ["--case", case, "--checkpoint", checkpoint, "--workers", str(args.workers), "--device", DEVICE]
         cold = run_child(child, root, f"cold_{case}")
         warmup = run_child(child + ["--warmup"], root, f"warm_{case}")
         after = run_child(child, root, f"warm_{case}")   # the warmed kernel cache; Triton's still cold
@@ -183,8 +184,8 @@ def main() -> None:
         print(f"{case}: first {cold['first_s']:.2f} s, second {cold['second_s'] * 1e3:.1f} ms; warmup "
               f"{warmup['warmup_s']:.1f} s ({warmup['compiled']} variants); first after warmup "
               f"{after['first_s']:.2f} s", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=2)
+        with open(args.out, "w") as f:   # after every case: a run cut short keeps what it measured
+            json.dump(results, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -154,7 +154,9 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;
 
 #ifndef RACECHECK_ORDER
 // Sanitizer builds: the producers of one tile column (one per turn) also pass each ring stage of a range together
-// at a named barrier, an order racecheck sees; the ring's mbarrier parity waits order them anyway.
+// at a named barrier, an order racecheck sees; the ring's mbarrier parity waits order them anyway. The consumers pass
+// as many barriers (Consumer::run): racecheck behaves as if it ordered accesses by each thread's count of barriers of
+// any id, and reported last_arrival's flag, which bar.sync 0 orders, where the counts differed (docs/DESIGN.md).
 #define RACECHECK_ORDER 0
 #endif
 constexpr int TURN_BARRIER0 = 2;   // named barriers 0 (__syncthreads) and 1 (consumers_sync) are taken
@@ -503,6 +505,9 @@ struct Consumer {
             wgmma_wait<0>();   // the tensor cores are done reading the other buffer
             if (!X_TMA) stager.wait(chunk, x_full);   // this thread's rows of the chunk landed
             consumers_sync();  // every consumer's rows are in xs[buf], and none reads xs[buf ^ 1]
+            // RACECHECK_ORDER: a barrier per ring stage, as each producer's turns_meet, so the per-thread counts agree
+            if constexpr (RACECHECK_ORDER)
+                for (int q = 1; q < CHUNK / STAGE_KT; q++) consumers_sync();
             ws_trace(10);
             const int next = c0 + CHUNK < kt1 ? c0 + CHUNK : next_kt;
             if (next >= 0) stager.stage(next, buf ^ 1);
