@@ -3,7 +3,8 @@
 A program owns TILES tiles and carries their 2^(L-D) node costs from step to step as a register tensor (Triton moves
 it through shared memory when it reshapes it); nothing per step goes to global memory except, when a traceback
 follows, the step's input costs (the History of trellis_triton, so its tracebacks read them unchanged). The fp16
-codebook is read once per pass and shared by the TILES tiles.
+codebook is read once per pass and shared by the TILES tiles. Two independent passes (or trellis_triton's two
+tracebacks) can run side by side in one launch, a program per tile and pass.
 
 States split as s = (h << (L-D)) | (b << D) | y with h, y in [0, 2^D) and b in [0, 2^(L-2D)), so that a forward
 step is cost[h, b, y] = (v[s] - w)^2 + m[h, b] and m'[b, y] = min_h (the next m is its row-major reshape), and a
@@ -23,7 +24,7 @@ import triton.language as tl
 from .trellis import Ring
 from .trellis_triton import ARG_BLOCK, History, _steps, _trace_forward_kernel, _traceback_kernel
 
-# Tiles per program: 1 for latency (one strip of few tiles), more to share each step's codebook read.
+# Tiles per program: 1 for latency (a strip of few tiles), more to share the codebook held per program (more spills).
 TILES = int(os.environ.get("EXL3MOE_QUANT_ONCHIP_TILES", "1"))
 WARPS = 32
 
