@@ -17,6 +17,7 @@ from ..format.hadamard import hadamard_blockwise
 from ..format.weight import EXL3Weight
 from .checks import check_call
 from .ldlq import block_ldl, ldlq, refine
+from .phases import phase, sync_requested, timing
 from .refit import refit_scales
 from .rotation import (divide_channels, input_scales, left_hadamard, output_scales, rotate, rotated_hessian,
                        to_fp16_scale)
@@ -39,6 +40,8 @@ class QuantStats:
     counters: dict = field(default_factory=dict)
     inner: torch.Tensor | None = None  # with keep_inner: the searched W_inner (fp16 [in, out]) that decode must give
     kept_init: bool = False            # init was returned: the new encoding was not better
+    phase_seconds: dict = field(default_factory=dict)  # exclusive seconds per phase (quant/phases.py), whole call
+    part_seconds: dict = field(default_factory=dict)   # inclusive seconds of the trellis passes and tracebacks
 
 
 @dataclass
@@ -82,7 +85,8 @@ def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: s
                      device=None, *, inits: list | None = None, names: list | None = None, damp: float = DAMP,
                      scale: float | None = None, scale_tiles: int = SCALE_TILES, out_scales: bool = True,
                      channel_power: float = CHANNEL_POWER, exact: bool = True, refit: bool = True, sweeps: int = 0,
-                     keep_inner: bool = False) -> list[tuple[EXL3Weight, QuantStats]]:
+                     keep_inner: bool = False,
+                     sync_phases: bool | None = None) -> list[tuple[EXL3Weight, QuantStats]]:
     """Encode weights of one shape together (each with its own Hessian, scales and seed seed + index).
 
     damp: the LDL factors H + damp x mean(diag H) x I. scale: a fixed global scale instead of the search on
@@ -90,37 +94,59 @@ def quantize_weights(Ws: list, Hs: list | None = None, K: float = 4, codebook: s
     out_scales=False: output channels get signs only.
     exact=False skips the search of other seams. refit: the channel scales re-solved for the final trellis (kept when
     better). sweeps: block coordinate descent sweeps after LDLQ. keep_inner: the searched W_inner kept in the stats.
+    sync_phases: synchronise the device at phase boundaries so that stats.phase_seconds charges GPU time to its
+    phase (None: EXL3MOE_QUANT_SYNC_PHASES=1 asks for it).
     """
     start = time.perf_counter()
-    dev, hessians, inits = check_call(Ws, Hs, inits, K, codebook, device, damp, scale, scale_tiles, sweeps,
-                                              channel_power)
-    names = [f"weight{i}" for i in range(len(Ws))] if names is None else names
-    if len(names) != len(Ws):
-        raise ContractError("names", f"must name each of the {len(Ws)} weights, got {len(names)} names")
+    with timing(sync_requested() if sync_phases is None else sync_phases) as timer:
+        out = _encode(timer, Ws, Hs, K, codebook, seed, device, inits, names, damp, scale, scale_tiles, out_scales,
+                      channel_power, exact, refit, sweeps, keep_inner)
+    seconds = time.perf_counter() - start
+    for pair in out:
+        pair[1].seconds = seconds
+        pair[1].phase_seconds = dict(timer.seconds)
+        pair[1].part_seconds = dict(timer.parts)
+        pair[1].counters.update(timer.counts)
+    return [tuple(pair) for pair in out]
+
+
+def _encode(timer, Ws, Hs, K, codebook, seed, device, inits, names, damp, scale, scale_tiles, out_scales,
+            channel_power, exact, refit, sweeps, keep_inner) -> list:
+    with phase("checks"):
+        dev, hessians, inits = check_call(Ws, Hs, inits, K, codebook, device, damp, scale, scale_tiles, sweeps,
+                                          channel_power)
+        names = [f"weight{i}" for i in range(len(Ws))] if names is None else names
+        if len(names) != len(Ws):
+            raise ContractError("names", f"must name each of the {len(Ws)} weights, got {len(names)} names")
+    timer.device = dev
     jobs = [_Job(W.to(dev, torch.float64), H64, shift, init) for W, (H64, shift), init in zip(Ws, hessians, inits)]
     ring = tile_ring(K, codebook, dev)
     generators = [torch.Generator().manual_seed(seed + i) for i in range(len(jobs))]
     _choose_scales(ring, jobs, generators, out_scales, channel_power, scale, scale_tiles)
-    W_r = torch.stack([rotate(job.W, job.su, job.sv) for job in jobs])
-    for job in jobs:
-        if job.H is not None:
-            ridge = damp * float(job.H.diagonal().mean())
-            job.H_r = rotated_hessian(job.H + ridge * torch.eye(job.H.shape[0], dtype=job.H.dtype, device=dev), job.su)
-    weighted = any(job.H is not None for job in jobs)
-    L = torch.stack([_ldl_or_zeros(job.H_r, W_r) for job in jobs]) if weighted else None
-    states, Q, counters = ldlq(ring, W_r, L, exact)
+    with phase("scales"):
+        W_r = torch.stack([rotate(job.W, job.su, job.sv) for job in jobs])
+    with phase("hessian"):
+        for job in jobs:
+            if job.H is not None:
+                ridge = damp * float(job.H.diagonal().mean())
+                eye = torch.eye(job.H.shape[0], dtype=job.H.dtype, device=dev)
+                job.H_r = rotated_hessian(job.H + ridge * eye, job.su)
+        weighted = any(job.H is not None for job in jobs)
+        L = torch.stack([_ldl_or_zeros(job.H_r, W_r) for job in jobs]) if weighted else None
+    with phase("ldlq"):
+        states, Q, counters = ldlq(ring, W_r, L, exact)
     if weighted and sweeps:
-        H_r = torch.stack([_or_identity(j.H_r, W_r) for j in jobs])
-        counters["refined_strips"] = sum(refine(ring, W_r, Q, states, H_r, exact) for _ in range(sweeps))
+        with phase("refine"):
+            H_r = torch.stack([_or_identity(j.H_r, W_r) for j in jobs])
+            counters["refined_strips"] = sum(refine(ring, W_r, Q, states, H_r, exact) for _ in range(sweeps))
     out = []
     for job, st, inner, name in zip(jobs, states, Q, names):
-        weight, error, kept, gain = _finish(job, pack_states(st, K), inner, codebook, refit, name)
+        with phase("pack"):
+            packed = pack_states(st, K)
+        weight, error, kept, gain = _finish(job, packed, inner, codebook, refit, name)
         out.append([weight, QuantStats(error, 0.0, K, codebook, job.g, job.shift, dict(counters, refit_gain=gain),
                                        inner.to(torch.float16) if keep_inner else None, kept)])
-    seconds = time.perf_counter() - start
-    for pair in out:
-        pair[1].seconds = seconds
-    return [tuple(pair) for pair in out]
+    return out
 
 
 def _ldl_or_zeros(H_r: torch.Tensor | None, W_r: torch.Tensor) -> torch.Tensor:
@@ -141,12 +167,15 @@ def _choose_scales(ring, jobs, generators, out_scales, channel_power, scale, sca
         if job.init is not None:
             job.su, job.sv = job.init.suh.to(job.W.device), job.init.svh.to(job.W.device)
     su0 = []
-    for job, gen in fresh:
-        job.sv = output_scales(job.W, gen, channel_power if out_scales else 0.0)
-        su0.append(input_scales(hadamard_blockwise(divide_channels(job.W, job.sv, 1)), job.H, gen, channel_power))
+    with phase("scales"):
+        for job, gen in fresh:
+            job.sv = output_scales(job.W, gen, channel_power if out_scales else 0.0)
+            su0.append(input_scales(hadamard_blockwise(divide_channels(job.W, job.sv, 1)), job.H, gen,
+                                    channel_power))
     if scale is None and fresh:
-        gs = global_scales(ring, [rotate(job.W, s, job.sv) for (job, _), s in zip(fresh, su0)], scale_tiles,
-                           [gen for _, gen in fresh])
+        with phase("scale_search"):
+            gs = global_scales(ring, [rotate(job.W, s, job.sv) for (job, _), s in zip(fresh, su0)], scale_tiles,
+                               [gen for _, gen in fresh])
     else:
         gs = [scale] * len(fresh)
     for (job, _), s, g in zip(fresh, su0, gs):
@@ -156,18 +185,22 @@ def _choose_scales(ring, jobs, generators, out_scales, channel_power, scale, sca
 def _finish(job: _Job, trellis: torch.Tensor, Q: torch.Tensor, codebook: str, refit: bool, name: str):
     """(weight, proxy error, init kept, refit gain): the encoding, its refit when better, init when not worse."""
     weight = EXL3Weight(trellis, job.su, job.sv, codebook, None, name)
-    error = proxy_error(job.W, weight.dense(torch.float64), job.H)
+    with phase("proxy_error"):
+        error = proxy_error(job.W, weight.dense(torch.float64), job.H)
     gain = 1.0
     if refit:
-        su, sv = refit_scales(hadamard_blockwise(left_hadamard(Q)), job.su, job.sv, job.W, job.H)
-        refitted = EXL3Weight(trellis, to_fp16_scale(su), to_fp16_scale(sv), codebook, None, name)
-        refit_error = proxy_error(job.W, refitted.dense(torch.float64), job.H)
+        with phase("refit"):
+            su, sv = refit_scales(hadamard_blockwise(left_hadamard(Q)), job.su, job.sv, job.W, job.H)
+            refitted = EXL3Weight(trellis, to_fp16_scale(su), to_fp16_scale(sv), codebook, None, name)
+        with phase("proxy_error"):
+            refit_error = proxy_error(job.W, refitted.dense(torch.float64), job.H)
         gain = error / refit_error if refit_error > 0 else float("inf")
         if refit_error < error:
             weight, error = refitted, refit_error
     if job.init is not None:
         init = job.init.to(job.W.device)
-        init_error = proxy_error(job.W, init.dense(torch.float64), job.H)
+        with phase("proxy_error"):
+            init_error = proxy_error(job.W, init.dense(torch.float64), job.H)
         if init_error <= error:
             return init, init_error, True, gain
     return weight, error, False, gain

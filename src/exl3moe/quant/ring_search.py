@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .trellis import INF, Ring, backward, forward, one_hot_start, path_cost, trace_forward, traceback
+from .phases import phase
+from .trellis import INF, Ring, forward, forward_and_backward, one_hot_start, path_cost, trace_both, traceback
 
 # Bounds and costs are float sums in different orders; a seam is skipped only when its bound exceeds U by this margin.
 BOUND_SLACK = 2.0 ** -14
@@ -52,30 +53,31 @@ def bound_paths(ring: Ring, targets: torch.Tensor):
     """
     B, T, h = targets.shape[0], ring.T, ring.T // 2
     free = torch.zeros(B, ring.node_count, dtype=ring.dtype, device=targets.device)
-    head_in, _ = forward(ring, targets, 0, h, free)
-    tail_out, _ = backward(ring, targets, h, T - h, free)
+    (head_in, _), (tail_out, _) = forward_and_backward(ring, targets, (0, h, free, False), (h, T - h, free, False))
     phi = (tail_out - head_in) / 2
-    head, head_inputs = backward(ring, targets, 0, h, phi, keep=True)
-    tail, tail_inputs = forward(ring, targets, h, T - h, -phi, keep=True)
+    (tail, tail_inputs), (head, head_inputs) = forward_and_backward(ring, targets, (h, T - h, -phi, True),
+                                                                    (0, h, phi, True))
     bounds = head + tail
     seam = bounds.argmin(-1)
-    head_states, head_end = trace_forward(ring, targets, head_inputs, 0, h, seam)
-    tail_states, tail_start = traceback(ring, targets, tail_inputs, h, T - h, seam)
+    (head_states, head_end), (tail_states, tail_start) = trace_both(ring, targets, (head_inputs, 0, h, seam),
+                                                                    (tail_inputs, h, T - h, seam))
     return bounds, seam, torch.cat((head_states, tail_states), 1), head_end == tail_start
 
 
 def search_ring(ring: Ring, targets: torch.Tensor, exact: bool = True, chunk: int = 64) -> RingResult:
     """The ring optimum of every row of `targets` [B, T] (exact=False: the seam of least bound, forced if needed)."""
     targets = targets.to(ring.dtype)
-    bounds, seam, states, closed = bound_paths(ring, targets)
-    result = RingResult(states, path_cost(ring, targets, states))
-    cost = result.cost
-    open_tiles = (~closed).nonzero().flatten()
-    if open_tiles.numel():
-        cost[open_tiles], states[open_tiles] = forced_seam(ring, targets[open_tiles], seam[open_tiles], True)
-        result.forced = open_tiles.numel()
+    with phase("search_bound"):
+        bounds, seam, states, closed = bound_paths(ring, targets)
+        result = RingResult(states, path_cost(ring, targets, states))
+        cost = result.cost
+        open_tiles = (~closed).nonzero().flatten()
+        if open_tiles.numel():
+            cost[open_tiles], states[open_tiles] = forced_seam(ring, targets[open_tiles], seam[open_tiles], True)
+            result.forced = open_tiles.numel()
     if exact:
-        _search_other_seams(ring, targets, bounds, seam, result, chunk)
+        with phase("search_seams"):
+            _search_other_seams(ring, targets, bounds, seam, result, chunk)
     result.cost = path_cost(ring, targets, result.states)
     return result
 

@@ -13,10 +13,15 @@ from functools import cached_property
 import torch
 
 from ..format.bitstream import state_ends
+from .phases import count as count_phase
+from .phases import part
 
 INF = float("inf")
 # "auto": Triton passes on CUDA, torch elsewhere; "torch" or "triton" force one (EXL3MOE_QUANT_BACKEND).
 BACKEND = os.environ.get("EXL3MOE_QUANT_BACKEND", "auto")
+# Triton pass kernels: "global" (node costs through a history in global memory, trellis_triton) or "onchip" (node
+# costs carried on chip, trellis_onchip; rings of one step width, else "global") (EXL3MOE_QUANT_SEARCH).
+SEARCH = os.environ.get("EXL3MOE_QUANT_SEARCH", "global")
 
 
 class Ring:
@@ -161,11 +166,29 @@ def _traceback_torch(ring: Ring, targets: torch.Tensor, inputs: list, start: int
     return states, node
 
 
+def _count_pass(targets: torch.Tensor, count: int) -> None:
+    """pass_steps: steps one after another (the latency); tile_steps: steps x tiles (the work)."""
+    count_phase("pass_steps", count)
+    count_phase("tile_steps", count * targets.shape[0])
+
+
 def uses_triton(ring: Ring, targets: torch.Tensor) -> bool:
     """Triton passes for float32 rings: on CUDA unless BACKEND is "torch"; anywhere when it is "triton"."""
     if ring.dtype != torch.float32 or BACKEND == "torch":
         return False
     return BACKEND == "triton" or targets.is_cuda
+
+
+def _triton_module(ring: Ring):
+    """The pass kernels SEARCH selects (trellis_onchip only for rings it supports)."""
+    from . import trellis_triton
+    if SEARCH == "onchip":
+        from . import trellis_onchip
+        if trellis_onchip.supports(ring):
+            return trellis_onchip
+    elif SEARCH != "global":
+        raise ValueError(f"EXL3MOE_QUANT_SEARCH must be 'global' or 'onchip', got {SEARCH!r}")
+    return trellis_triton
 
 
 def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: torch.Tensor,
@@ -174,38 +197,68 @@ def forward(ring: Ring, targets: torch.Tensor, start: int, count: int, init: tor
 
     Returns (costs of the nodes after the last position, kept inputs for traceback or None).
     """
-    if uses_triton(ring, targets):
-        from . import trellis_triton
-        return trellis_triton.forward(ring, targets, start, count, init, keep)
-    return _forward_torch(ring, targets, start, count, init, keep)
+    _count_pass(targets, count)
+    with part("passes"):
+        if uses_triton(ring, targets):
+            return _triton_module(ring).forward(ring, targets, start, count, init, keep)
+        return _forward_torch(ring, targets, start, count, init, keep)
 
 
 def backward(ring: Ring, targets: torch.Tensor, start: int, count: int, final: torch.Tensor, keep: bool = False):
     """Best costs of positions start .. start+count-1 from each node before `start` given `final`, the cost of
     each node after the last position; returns (costs [B, 2^(L-D(start))], kept inputs for trace_forward or None).
     """
-    if uses_triton(ring, targets):
-        from . import trellis_triton
-        return trellis_triton.backward(ring, targets, start, count, final, keep)
-    return _backward_torch(ring, targets, start, count, final, keep)
+    _count_pass(targets, count)
+    with part("passes"):
+        if uses_triton(ring, targets):
+            return _triton_module(ring).backward(ring, targets, start, count, final, keep)
+        return _backward_torch(ring, targets, start, count, final, keep)
+
+
+def forward_and_backward(ring: Ring, targets: torch.Tensor, forward_part: tuple, backward_part: tuple):
+    """(forward(ring, targets, *forward_part), backward(ring, targets, *backward_part)) for two independent passes,
+    each part (start, count, costs, keep); with the on-chip search both run in one launch, side by side."""
+    module = _triton_module(ring) if uses_triton(ring, targets) else None
+    if module is None or not hasattr(module, "forward_and_backward"):
+        return forward(ring, targets, *forward_part), backward(ring, targets, *backward_part)
+    count_phase("pass_steps", max(forward_part[1], backward_part[1]))
+    count_phase("tile_steps", (forward_part[1] + backward_part[1]) * targets.shape[0])
+    with part("passes"):
+        return module.forward_and_backward(ring, targets, forward_part, backward_part)
 
 
 def traceback(ring: Ring, targets: torch.Tensor, inputs, start: int, count: int, last_node: torch.Tensor,
               stop: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Walk a forward pass back from `last_node` over steps count-1 .. stop: (states in step order, node before
     step `stop`)."""
-    if not isinstance(inputs, list):
-        from . import trellis_triton
-        return trellis_triton.traceback(ring, targets, inputs, start, count, last_node, stop)
-    return _traceback_torch(ring, targets, inputs, start, count, last_node, stop)
+    count_phase("traceback_steps", count - stop)
+    with part("tracebacks"):
+        if not isinstance(inputs, list):
+            from . import trellis_triton
+            return trellis_triton.traceback(ring, targets, inputs, start, count, last_node, stop)
+        return _traceback_torch(ring, targets, inputs, start, count, last_node, stop)
 
 
 def trace_forward(ring: Ring, targets: torch.Tensor, inputs, start: int, count: int, first_node: torch.Tensor):
     """Follow a backward pass from `first_node` (the node before `start`): (states, node after the last)."""
-    if not isinstance(inputs, list):
-        from . import trellis_triton
-        return trellis_triton.trace_forward(ring, targets, inputs, start, count, first_node)
-    return _trace_forward_torch(ring, targets, inputs, start, count, first_node)
+    count_phase("traceback_steps", count)
+    with part("tracebacks"):
+        if not isinstance(inputs, list):
+            from . import trellis_triton
+            return trellis_triton.trace_forward(ring, targets, inputs, start, count, first_node)
+        return _trace_forward_torch(ring, targets, inputs, start, count, first_node)
+
+
+def trace_both(ring: Ring, targets: torch.Tensor, forward_part: tuple, back_part: tuple):
+    """(trace_forward(ring, targets, *forward_part), traceback(ring, targets, *back_part)) for two independent walks,
+    parts (inputs, start, count, node); with the on-chip search both run in one launch, side by side."""
+    module = _triton_module(ring) if uses_triton(ring, targets) else None
+    kept = not isinstance(forward_part[0], list) and not isinstance(back_part[0], list)
+    if module is None or not kept or not hasattr(module, "trace_both"):
+        return trace_forward(ring, targets, *forward_part), traceback(ring, targets, *back_part)
+    count_phase("traceback_steps", max(forward_part[2], back_part[2]))
+    with part("tracebacks"):
+        return module.trace_both(ring, targets, forward_part, back_part)
 
 
 def one_hot_start(ring: Ring, nodes: torch.Tensor) -> torch.Tensor:
