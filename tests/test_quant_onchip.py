@@ -128,7 +128,7 @@ def test_rings_of_mixed_widths_fall_back_to_the_global_kernels(monkeypatch):
     _assert_all_equal(_searches(monkeypatch, _passes(mixed, targets, 24)))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="a whole encoding: compiled kernels only")
+@pytest.mark.gpu   # a whole encoding: compiled kernels only
 def test_an_encoding_gives_the_same_trellis_with_both_searches(monkeypatch):
     from exl3moe.quant import quantize_weight
     g = torch.Generator().manual_seed(11)
