@@ -78,8 +78,8 @@ def test_packed_plans_split_for_more_warps_with_gate_up_splits_of_three_chunks_o
 
     def shape(H, I):
         w = SimpleNamespace(K=4, codebook="mcg")
-        return SimpleNamespace(num_experts=128, planned_experts=128, hidden_size=H, intermediate_size=I, gate=[w],
-                               up=[w], down=[w])
+        return SimpleNamespace(num_experts=128, planned_experts=128, hidden_size=H, intermediate_size=I,
+                               planned_intermediate=I, gate=[w], up=[w], down=[w])
 
     qwen3, glm = shape(2048, 768), shape(4096, 1408)
     splits = lambda e, slots, **kw: (lambda p: (p.gate_up_splits, p.down_splits))(  # noqa: E731
