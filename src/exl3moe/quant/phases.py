@@ -78,14 +78,19 @@ def timing(sync: bool = False):
 
 
 @contextmanager
-def part(name: str):
-    """Time a part inclusively (into the timer's `parts`) without changing which phase is charged."""
+def _on_current(kind: str, name: str):
+    """The current timing's `kind` ("part" or "phase") context for `name`; nothing outside a timing."""
     timer = _current.get()
     if timer is None:
         yield
         return
-    with timer.part(name):
+    with getattr(timer, kind)(name):
         yield
+
+
+def part(name: str):
+    """Time a part inclusively (into the timer's `parts`) without changing which phase is charged."""
+    return _on_current("part", name)
 
 
 def count(name: str, amount: int) -> None:
@@ -95,11 +100,6 @@ def count(name: str, amount: int) -> None:
         timer.counts[name] = timer.counts.get(name, 0) + int(amount)
 
 
-@contextmanager
 def phase(name: str):
-    timer = _current.get()
-    if timer is None:
-        yield
-        return
-    with timer.phase(name):
-        yield
+    """Charge the time inside to phase `name` (exclusive: a nested phase pauses it)."""
+    return _on_current("phase", name)

@@ -12,6 +12,7 @@ from functools import cached_property
 
 import torch
 
+from ..errors import ContractError
 from ..format.bitstream import state_ends
 from .phases import count as count_phase
 from .phases import part
@@ -187,7 +188,7 @@ def _triton_module(ring: Ring):
         if trellis_onchip.supports(ring):
             return trellis_onchip
     elif SEARCH != "global":
-        raise ValueError(f"EXL3MOE_QUANT_SEARCH must be 'global' or 'onchip', got {SEARCH!r}")
+        raise ContractError("EXL3MOE_QUANT_SEARCH", f"must be 'global' or 'onchip', got {SEARCH!r}")
     return trellis_triton
 
 
